@@ -1,0 +1,150 @@
+"""The ``dejavu`` torch.compile backend.
+
+``torch.compile(model, backend="dejavu", options={...})`` calls :data:`dejavu_backend` with Dynamo's
+torch-level graph. The backend matches decoder blocks, applies the sparsity passes when a plan is
+given, and hands the graph to Inductor (or runs it as is with ``inner="eager"``). Whatever goes
+wrong in a pass, the model still runs: the backend logs why and compiles the untouched graph.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+log = logging.getLogger("dejavu_compile")
+
+OPTION_DEFAULTS: dict[str, Any] = {
+    "plan": None,  # a SparsityPlan; None compiles dense (matching only, for reports)
+    "inner": "inductor",  # "inductor" or "eager": what runs the rewritten graph
+    "inductor_config": None,  # dict of Inductor config patches
+    "max_batch": 8,  # decode batches above this stay dense
+    "on_report": None,  # callable(BackendReport) called after each graph is processed
+    "strict": False,  # raise instead of falling back to the dense graph when a pass fails
+}
+INNER_CHOICES = ("inductor", "eager")
+
+
+@dataclass
+class BackendReport:
+    """What the backend did with one graph."""
+
+    graph_id: str
+    match: Any = None  # passes.match.MatchResult
+    rewritten: list[str] = field(default_factory=list)
+    dense_reason: str | None = None
+    error: str | None = None
+
+
+def validate_options(options: dict | None) -> dict:
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(OPTION_DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown dejavu option(s) {', '.join(map(repr, unknown))}; "
+                         f"valid options: {', '.join(sorted(OPTION_DEFAULTS))}")
+    merged = {**OPTION_DEFAULTS, **options}
+    if merged["inner"] not in INNER_CHOICES:
+        raise ValueError(f"option 'inner' must be one of {INNER_CHOICES}, got {merged['inner']!r}")
+    if merged["inductor_config"] is not None and not isinstance(merged["inductor_config"], dict):
+        raise ValueError("option 'inductor_config' must be a dict of Inductor config patches")
+    plan = merged["plan"]
+    if plan is not None:
+        from dejavu_compile.plan import SparsityPlan
+
+        if not isinstance(plan, SparsityPlan):
+            raise ValueError(f"option 'plan' must be a dejavu_compile.SparsityPlan, got {type(plan).__name__}")
+    if not (isinstance(merged["max_batch"], int) and merged["max_batch"] >= 1):
+        raise ValueError("option 'max_batch' must be a positive int")
+    return merged
+
+
+def _training_reason(gm: fx.GraphModule, example_inputs) -> str | None:
+    """Why this graph must not be made sparse: it is traced for training or needs gradients."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "dropout" in getattr(node.target, "__name__", ""):
+            training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+            if training:
+                return "the model is in training mode (dropout active)"
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    from dejavu_compile.passes.graph_utils import param_name
+
+    for node, value in zip(placeholders, example_inputs):
+        if isinstance(value, torch.Tensor) and value.requires_grad and param_name(node) is None:
+            return f"input {node.name} requires grad"
+    return None
+
+
+def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    graph = fx.Graph()
+    output = graph.graph_copy(gm.graph, {})
+    graph.output(output)
+    copy = fx.GraphModule(gm, graph)
+    copy.meta.update(gm.meta)
+    return copy
+
+
+def _compile_inner(gm: fx.GraphModule, example_inputs, options: dict, mode: str | None):
+    if options["inner"] == "eager":
+        return gm.forward
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = dict(list_mode_options(mode) if mode else {})
+    patches.update(options["inductor_config"] or {})
+    return compile_fx(gm, example_inputs, config_patches=patches or None)
+
+
+class DejavuBackend:
+    """One module-level instance (a fresh closure per call would force Dynamo recompiles)."""
+
+    __name__ = "dejavu"
+
+    def __call__(self, gm: fx.GraphModule, example_inputs, mode: str | None = None,
+                 options: dict | None = None, **unexpected):
+        if unexpected:
+            raise ValueError(f"unexpected argument(s) {sorted(unexpected)} for the dejavu backend; "
+                             "pass settings as options={...}")
+        opts = validate_options(options)
+        if mode not in (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
+            raise ValueError(f"unknown mode {mode!r}")
+        report = BackendReport(graph_id=str(gm.meta.get("dynamo_compile_id", "")))
+        original = _copy_graph_module(gm)
+        try:
+            gm = self.run_passes(gm, example_inputs, opts, report)
+        except Exception as exc:  # the model must still run: dense graph, and say why
+            if opts["strict"]:
+                raise
+            log.warning("dejavu: a pass failed on graph %s, compiling it dense: %s: %s",
+                        report.graph_id, type(exc).__name__, exc)
+            report.error = f"{type(exc).__name__}: {exc}"
+            gm = original
+        if opts["on_report"] is not None:
+            opts["on_report"](report)
+        return _compile_inner(gm, example_inputs, opts, mode)
+
+    def run_passes(self, gm, example_inputs, opts, report: BackendReport) -> fx.GraphModule:
+        from dejavu_compile.passes.match import match_blocks
+
+        report.match = match_blocks(gm)
+        reason = _training_reason(gm, example_inputs)
+        if reason is None and opts["plan"] is not None and torch.is_grad_enabled() and any(
+                isinstance(v, torch.Tensor) and v.requires_grad for v in example_inputs):
+            reason = "gradients are enabled (sparse ops have no backward; use torch.no_grad())"
+        if reason is not None:
+            warnings.warn(f"dejavu: passing the graph through dense because {reason}", stacklevel=2)
+            report.dense_reason = reason
+            return gm
+        if opts["plan"] is None:
+            return gm
+        from dejavu_compile.passes.sparsify import sparsify
+
+        return sparsify(gm, example_inputs, report, opts)
+
+    def reset(self):
+        pass
+
+
+dejavu_backend = DejavuBackend()
