@@ -39,25 +39,41 @@ class BackendReport:
     error: str | None = None
 
 
+try:  # Dynamo re-raises ShortenTraceback as is, so the user sees our ValueError, not a wrapper.
+    from torch._dynamo.exc import ShortenTraceback as _PassThrough
+except ImportError:  # pragma: no cover - older torch
+    _PassThrough = None
+
+if _PassThrough is not None:
+    class DejavuOptionError(ValueError, _PassThrough):
+        """Bad backend options or arguments (a ValueError that reaches the torch.compile caller)."""
+
+        def __init__(self, message: str):
+            _PassThrough.__init__(self, message, first_useful_frame=None)
+else:  # pragma: no cover
+    class DejavuOptionError(ValueError):
+        """Bad backend options or arguments."""
+
+
 def validate_options(options: dict | None) -> dict:
     options = dict(options or {})
     unknown = sorted(set(options) - set(OPTION_DEFAULTS))
     if unknown:
-        raise ValueError(f"unknown dejavu option(s) {', '.join(map(repr, unknown))}; "
+        raise DejavuOptionError(f"unknown dejavu option(s) {', '.join(map(repr, unknown))}; "
                          f"valid options: {', '.join(sorted(OPTION_DEFAULTS))}")
     merged = {**OPTION_DEFAULTS, **options}
     if merged["inner"] not in INNER_CHOICES:
-        raise ValueError(f"option 'inner' must be one of {INNER_CHOICES}, got {merged['inner']!r}")
+        raise DejavuOptionError(f"option 'inner' must be one of {INNER_CHOICES}, got {merged['inner']!r}")
     if merged["inductor_config"] is not None and not isinstance(merged["inductor_config"], dict):
-        raise ValueError("option 'inductor_config' must be a dict of Inductor config patches")
+        raise DejavuOptionError("option 'inductor_config' must be a dict of Inductor config patches")
     plan = merged["plan"]
     if plan is not None:
         from dejavu_compile.plan import SparsityPlan
 
         if not isinstance(plan, SparsityPlan):
-            raise ValueError(f"option 'plan' must be a dejavu_compile.SparsityPlan, got {type(plan).__name__}")
+            raise DejavuOptionError(f"option 'plan' must be a dejavu_compile.SparsityPlan, got {type(plan).__name__}")
     if not (isinstance(merged["max_batch"], int) and merged["max_batch"] >= 1):
-        raise ValueError("option 'max_batch' must be a positive int")
+        raise DejavuOptionError("option 'max_batch' must be a positive int")
     return merged
 
 
@@ -78,15 +94,34 @@ def _training_reason(gm: fx.GraphModule, example_inputs) -> str | None:
 
 
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy the passes may rewrite: Dynamo reads its own graph's placeholders after the backend."""
     graph = fx.Graph()
-    output = graph.graph_copy(gm.graph, {})
+    value_map: dict = {}
+    output = graph.graph_copy(gm.graph, value_map)
     graph.output(output)
     copy = fx.GraphModule(gm, graph)
     copy.meta.update(gm.meta)
+    for old, new in value_map.items():
+        if hasattr(old, "_dynamo_source"):  # AOTAutograd maps inputs back to user code by these
+            new._dynamo_source = old._dynamo_source
+    if hasattr(gm, "_param_name_to_source"):
+        copy._param_name_to_source = gm._param_name_to_source
     return copy
 
 
 def _compile_inner(gm: fx.GraphModule, example_inputs, options: dict, mode: str | None):
+    extra = gm.meta.get("dejavu_extra_inputs")
+    if extra:  # tensors a pass added (predictor weights) follow the inputs Dynamo passes
+        compiled = _compile_inner_plain(gm, [*example_inputs, *extra], options, mode)
+
+        def run_with_extra_inputs(*args):
+            return compiled(*args, *extra)
+
+        return run_with_extra_inputs
+    return _compile_inner_plain(gm, example_inputs, options, mode)
+
+
+def _compile_inner_plain(gm: fx.GraphModule, example_inputs, options: dict, mode: str | None):
     if options["inner"] == "eager":
         return gm.forward
     from torch._inductor import list_mode_options
@@ -105,15 +140,17 @@ class DejavuBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs, mode: str | None = None,
                  options: dict | None = None, **unexpected):
         if unexpected:
-            raise ValueError(f"unexpected argument(s) {sorted(unexpected)} for the dejavu backend; "
+            raise DejavuOptionError(f"unexpected argument(s) {sorted(unexpected)} for the dejavu backend; "
                              "pass settings as options={...}")
         opts = validate_options(options)
         if mode not in (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
-            raise ValueError(f"unknown mode {mode!r}")
+            raise DejavuOptionError(f"unknown mode {mode!r}")
         report = BackendReport(graph_id=str(gm.meta.get("dynamo_compile_id", "")))
-        original = _copy_graph_module(gm)
+        original = gm
         try:
-            gm = self.run_passes(gm, example_inputs, opts, report)
+            gm = self.run_passes(_copy_graph_module(gm), example_inputs, opts, report)
+        except DejavuOptionError:  # the user's input is wrong (e.g. a plan for another model): say so
+            raise
         except Exception as exc:  # the model must still run: dense graph, and say why
             if opts["strict"]:
                 raise

@@ -94,23 +94,37 @@ def concrete_int(value) -> int:
     return int(value)
 
 
+def is_scalar_value(value) -> bool:
+    return isinstance(value, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def concrete_scalar(value):
+    """A Python number for a (possibly symbolic) scalar, from the hint of the example input."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        hint = value.node.hint
+        if hint is None:
+            raise ValueError(f"symbolic value {value} has no hint")
+        return hint
+    return value
+
+
 # ---------------------------------------------------------------------------------------------
 # Parameter names
 
 
+_CONTAINERS = ("_modules", "_parameters", "_buffers")
+
+
 def _source_path(source) -> str | None:
+    """``model.layers.0.mlp.up_proj.weight`` from Dynamo's chain of attribute/dict-item sources."""
     parts: list[str] = []
     while source is not None:
         base = getattr(source, "base", None)
-        kind = type(source).__name__
-        if kind == "DictGetItemSource" and type(base).__name__ == "AttrSource" and \
-                base.member in ("_modules", "_parameters", "_buffers"):
-            parts.append(str(source.index))
-        elif kind == "AttrSource" and not source.member.startswith("_"):
-            parts.append(source.member)
-        elif kind == "GetItemSource" and isinstance(getattr(source, "index", None), int) and \
-                type(base).__name__ not in ("LocalSource",):
-            parts.append(str(source.index))
+        index, member = getattr(source, "index", None), getattr(source, "member", None)
+        if index is not None and getattr(base, "member", None) in _CONTAINERS:
+            parts.append(str(index))
+        elif isinstance(member, str) and not member.startswith("_"):
+            parts.append(member)
         source = base
     return ".".join(reversed(parts)) or None
 
@@ -146,9 +160,11 @@ def param_name(node: fx.Node) -> str | None:
 
 
 def layer_index(name: str) -> int | None:
-    """The decoder layer a parameter belongs to: the first integer component of its path."""
-    for part in name.split("."):
-        if part.isdigit():
+    """The decoder layer a parameter belongs to: the first integer component of its path that
+    names a container of modules (``layers.3.mlp.up.weight``), not a module itself (``4.weight``)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit() and len(parts) - i >= 3:
             return int(part)
     return None
 
@@ -301,8 +317,8 @@ def evaluate(nodes: list[fx.Node], env: dict[fx.Node, object]) -> dict[fx.Node, 
             if arg in env:
                 return env[arg]
             value = example_value(arg)
-            if isinstance(value, (int, torch.SymInt)):
-                return concrete_int(value)
+            if is_scalar_value(value):
+                return concrete_scalar(value)
             raise KeyError(f"no value for {arg.name}")
         if isinstance(arg, (list, tuple)):
             return type(arg)(load(a) for a in arg)

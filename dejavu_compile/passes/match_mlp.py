@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from dejavu_compile.blocks import MLPBlock, WeightRef
 from dejavu_compile.passes.graph_utils import (
-    LinearCall, common_module, evaluate, is_elementwise, is_op, layer_index, location, shape_of,
+    LinearCall, common_module, evaluate, example_value, is_elementwise, is_op, is_scalar_value, layer_index,
+    location, shape_of,
 )
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -87,6 +88,8 @@ def elementwise_region(hidden: fx.Node, linears: dict[fx.Node, LinearCall]):
         leaf = _leaf_rows(node, linears)
         if leaf is not None:
             leaves[node] = leaf
+        elif is_scalar_value(example_value(node)):
+            continue  # a (symbolic) constant such as GPT-2's sqrt(2 / pi) under dynamic shapes
         elif is_elementwise(node):
             region.append(node)
             stack.extend(node.all_input_nodes)

@@ -1,0 +1,298 @@
+"""Sparse lowering of matched MLP blocks on decode-shaped graphs.
+
+For each MLP block with a sparse plan entry:
+1. the predictor is inserted right after the input it reads, which is the previous block's input
+   when the entry uses lookahead, so it can run beside that block ("as early as its inputs allow");
+2. top-k turns its scores into the neuron ids to keep;
+3. the block (gate/up projections, activation, down projection) is replaced by
+   ``dejavu::sparse_gated_mlp`` / ``dejavu::sparse_mlp``, which read only the selected weight rows.
+
+Only graphs with one token per sequence and at most ``max_batch`` sequences are rewritten; prefill
+stays dense. Weights are used in place: gate/up rows straight from the parameters, the down
+projection from its transpose, which is a free view when the parameter is stored transposed
+(``prepare_model``) and otherwise a one-time copy held by the compiled graph.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+import torch.fx as fx
+
+import dejavu_compile.kernels  # noqa: F401  (registers the dejavu:: ops)
+from dejavu_compile.backend import DejavuOptionError
+from dejavu_compile.blocks import MLPBlock, WeightRef
+from dejavu_compile.passes.graph_utils import shape_of
+
+log = logging.getLogger("dejavu_compile")
+
+KERNEL_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+
+
+class PlanMismatchError(DejavuOptionError):
+    """The plan was made for another model (or another shape of this one)."""
+
+
+def _placeholder_values(gm: fx.GraphModule, example_inputs) -> dict[fx.Node, torch.Tensor]:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return dict(zip(placeholders, example_inputs))
+
+
+def check_plan_against_blocks(plan, blocks) -> None:
+    """Raise :class:`PlanMismatchError` when the plan's entries do not fit the matched blocks."""
+    problems = []
+    by_key = {(b.layer, b.kind): b for b in blocks}
+    for (layer, kind), entry in plan.entries.items():
+        block = by_key.get((layer, kind))
+        if block is None:
+            continue  # the graph may hold only part of the model (graph breaks): checked per graph
+        total = block.intermediate_size if isinstance(block, MLPBlock) else block.num_heads
+        if entry.total != total:
+            problems.append(f"layer {layer} {kind}: plan has {entry.total} {'neurons' if kind == 'mlp' else 'heads'},"
+                            f" model has {total}")
+        if entry.A is not None:
+            width = block.hidden_size if isinstance(block, MLPBlock) else None
+            if width is not None and entry.A.shape[0] != width:
+                problems.append(f"layer {layer} {kind}: predictor reads {entry.A.shape[0]} features, "
+                                f"the block input has {width}")
+    layers = {b.layer for b in blocks}
+    plan_layers = {layer for layer, _ in plan.entries}
+    if blocks and max(layers) >= plan.num_layers:
+        problems.append(f"model has layer {max(layers)} but the plan covers {plan.num_layers} layers")
+    if blocks and not (layers & plan_layers):
+        problems.append("no layer of the model has a plan entry")
+    if problems:
+        raise PlanMismatchError("sparsity plan does not fit this model: " + "; ".join(problems[:6]))
+
+
+def _const(gm: fx.GraphModule, graph: fx.Graph, name: str, tensor: torch.Tensor) -> fx.Node:
+    """A tensor the rewritten graph needs (predictor weights): an extra trailing graph input.
+
+    Inductor only accepts the parameters Dynamo lifted as get_attr, so new tensors travel as inputs;
+    the backend appends their values (``gm.meta["dejavu_extra_inputs"]``) on every call.
+    """
+    extra = gm.meta.setdefault("dejavu_extra_inputs", [])
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last):
+        node = graph.placeholder(name.replace(".", "_"))
+    node.meta["example_value"] = tensor
+    node.meta["val"] = tensor
+    node._dynamo_source = None  # not from user code (AOTAutograd accepts a None source)
+    node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}  # static for CUDA graphs
+    extra.append(tensor)
+    return node
+
+
+def _rows_view(graph, ref: WeightRef, tensor: torch.Tensor | None) -> fx.Node:
+    """The (F, d) rows of a gate/up weight, as a view of the parameter placeholder."""
+    node = ref.node
+    if ref.layout == "in_out":
+        node = graph.call_method("t", (node,))
+    if ref.rows is not None:
+        node = graph.call_function(operator.getitem, (node, slice(*ref.rows)))
+    return node
+
+
+def _bias_view(graph, ref: WeightRef) -> fx.Node | None:
+    if ref.bias_node is None:
+        return None
+    node = ref.bias_node
+    if ref.rows is not None:
+        node = graph.call_function(operator.getitem, (node, slice(*ref.rows)))
+    return node
+
+
+def _emit_predictor(gm, graph, entry, x2d: fx.Node, prefix: str, dtype, device) -> fx.Node:
+    """Nodes computing the entry's scores from a (B, d) input; weights become graph constants."""
+    def const(suffix, t):
+        return _const(gm, graph, f"{prefix}_{suffix}", t.detach().to(device=device, dtype=dtype).contiguous())
+
+    h = graph.call_function(torch.matmul, (x2d, const("A", entry.A)))
+    if entry.a is not None:
+        h = graph.call_function(operator.add, (h, const("a", entry.a)))
+    B = entry.B
+    if entry.nonlinearity == "glu":
+        r = B.shape[0] // 2
+        h_gate = graph.call_function(operator.getitem, (h, (Ellipsis, slice(0, r))))
+        h_up = graph.call_function(operator.getitem, (h, (Ellipsis, slice(r, None))))
+        fn, kwargs = _ACT_FN[_activation_name(entry.activation)]
+        g = graph.call_function(fn, (graph.call_function(torch.matmul, (h_gate, const("B_gate", B[:r]))),), kwargs)
+        u = graph.call_function(torch.matmul, (h_up, const("B_up", B[r:])))
+        return graph.call_function(torch.abs, (graph.call_function(operator.mul, (g, u)),))
+    if entry.nonlinearity == "relu":
+        h = graph.call_function(torch.relu, (h,))
+    scores = graph.call_function(torch.matmul, (h, const("B", B)))
+    if entry.b is not None:
+        scores = graph.call_function(operator.add, (scores, const("b", entry.b)))
+    return scores
+
+
+def _activation_name(name: str) -> str:
+    return {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}.get(name, name)
+
+
+_ACT_FN = {
+    "silu": (torch.nn.functional.silu, {}),
+    "gelu": (torch.nn.functional.gelu, {}),
+    "relu": (torch.relu, {}),
+    "gelu_tanh": (torch.nn.functional.gelu, {"approximate": "tanh"}),
+}
+
+
+def _previous_input(block: MLPBlock, ordered_blocks) -> fx.Node:
+    """The input of the block that runs before ``block`` (its lookahead source)."""
+    position = ordered_blocks.index(block)
+    own = block.nodes["input"]
+    for earlier in reversed(ordered_blocks[:position]):
+        if earlier.nodes["input"] is not own:
+            return earlier.nodes["input"]
+    return own
+
+
+def _erase_unused(graph: fx.Graph, nodes) -> None:
+    nodes = [n for n in dict.fromkeys(nodes) if n is not None and n.graph is graph]
+    changed = True
+    while changed:
+        changed = False
+        for node in list(nodes):
+            if not node.users and node.op in ("call_function", "call_method"):
+                graph.erase_node(node)
+                nodes.remove(node)
+                changed = True
+
+
+def _mlp_region_nodes(block: MLPBlock) -> list[fx.Node]:
+    """Every node the dense block computed: projections, their views, the activation region."""
+    from dejavu_compile.passes.match_mlp import elementwise_region
+
+    out = [block.nodes["output"], block.nodes["down"], block.nodes["up"], block.nodes.get("gate")]
+    stack = [block.nodes["hidden"]]
+    seen = set()
+    while stack:  # everything between the projections' outputs and the down projection's call
+        node = stack.pop()
+        if node in seen or node is block.nodes["input"]:
+            continue
+        seen.add(node)
+        out.append(node)
+        if node in (block.nodes["up"], block.nodes.get("gate")):
+            continue
+        stack.extend(node.all_input_nodes)
+    down = block.nodes["down"]
+    out.extend(n for n in down.all_input_nodes if n.op != "placeholder")
+    return [n for n in out if n is not None and n.op != "placeholder"]
+
+
+def sparsify(gm: fx.GraphModule, example_inputs, report, opts) -> fx.GraphModule:
+    plan = opts["plan"]
+    match = report.match
+    check_plan_against_blocks(plan, match.blocks)
+    if not match.mlp:
+        report.dense_reason = "no MLP block matched"
+        return gm
+    tokens = {b.tokens for b in match.blocks}
+    batch = max(b.batch for b in match.blocks)
+    if tokens != {1}:
+        report.dense_reason = f"prefill-shaped graph ({max(tokens)} tokens per sequence): dense"
+        return gm
+    if batch > opts["max_batch"]:
+        report.dense_reason = f"batch {batch} > max_batch {opts['max_batch']}: dense"
+        return gm
+
+    values = _placeholder_values(gm, example_inputs)
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    ordered = sorted(match.blocks, key=lambda b: order[b.nodes["input"]] if b.nodes["input"] in order else -1)
+    for block in match.mlp:
+        entry = plan.entries.get((block.layer, "mlp"))
+        if entry is None or entry.dense:
+            continue
+        if block.activation not in KERNEL_ACTIVATIONS:
+            match.fallbacks.append((block.module, f"activation {block.activation!r} has no sparse kernel"))
+            continue
+        _rewrite_mlp(gm, graph, block, entry, ordered, values, report)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _rewrite_mlp(gm, graph, block: MLPBlock, entry, ordered, values, report) -> None:
+    x = block.nodes["input"]
+    weight_value = values.get(block.up.node)
+    dtype = weight_value.dtype if weight_value is not None else torch.float32
+    device = weight_value.device if weight_value is not None else torch.device("cpu")
+    source = _previous_input(block, ordered) if entry.lookahead else x
+    prefix = f"dejavu_L{block.layer}_mlp"
+
+    # 1. Predictor and top-k, right after the input they read (as early as their inputs allow).
+    with graph.inserting_before(source.next):
+        flat_source = graph.call_method("reshape", (source, -1, shape_of(source)[-1]))
+        scores = _emit_predictor(gm, graph, entry, flat_source, prefix, dtype, device)
+        top = graph.call_function(torch.topk, (scores, entry.k), {"dim": -1, "sorted": False})
+        idx = graph.call_function(operator.getitem, (top, 1))
+    for node in (scores, idx):
+        node.meta["dejavu"] = {"role": "predictor" if node is scores else "topk", "layer": block.layer,
+                               "kind": "mlp", "reads": source.name, "lookahead": source is not x}
+
+    # 2. The sparse op in place of the block.
+    down_value = values.get(block.down.node)
+    with graph.inserting_before(block.nodes["down"]):
+        x2d = graph.call_method("reshape", (x, -1, shape_of(x)[-1]))
+        if block.down.layout == "in_out":  # Conv1D c_proj is (F, d): already the transposed layout
+            w_down_t = block.down.node
+        elif down_value is not None and down_value.t().is_contiguous():
+            w_down_t = graph.call_method("t", (block.down.node,))  # stored transposed: a free view
+        else:
+            w_down_t = _const(gm, graph, f"{prefix}_w_down_t", down_value.detach().t().contiguous())
+            report.rewritten.append(f"layer {block.layer} mlp: copied the down weight transposed "
+                                    "(call dejavu_compile.prepare_model(model) to avoid the copy)")
+        b_down = block.down.bias_node
+        w_up = _rows_view(graph, block.up, values.get(block.up.node))
+        b_up = _bias_view(graph, block.up)
+        if block.gated:
+            w_gate = _rows_view(graph, block.gate, values.get(block.gate.node))
+            b_gate = _bias_view(graph, block.gate)
+            out = graph.call_function(torch.ops.dejavu.sparse_gated_mlp.default,
+                                      (x2d, w_gate, w_up, w_down_t, idx, block.activation, b_gate, b_up, b_down))
+        else:
+            out = graph.call_function(torch.ops.dejavu.sparse_mlp.default,
+                                      (x2d, w_up, b_up, w_down_t, b_down, idx, block.activation))
+        out.meta["dejavu"] = {"role": "sparse_mlp", "layer": block.layer, "k": entry.k}
+        size = graph.call_method("size", (x,))
+        lead = graph.call_function(operator.getitem, (size, slice(None, -1)))
+        shape = graph.call_function(operator.add, (lead, (block.hidden_size,)))
+        shaped = graph.call_method("reshape", (out, shape))
+    old_output = block.nodes["output"]
+    old_output.replace_all_uses_with(shaped)
+    _erase_unused(graph, _mlp_region_nodes(block))
+    report.rewritten.append(f"layer {block.layer} mlp: {entry.k}/{entry.total} neurons"
+                            f"{' (lookahead)' if source is not x else ''}")
+
+
+def prepare_model(model, *example_args, **example_kwargs) -> list[str]:
+    """Store each matched MLP's down-projection weight transposed, in place (values unchanged).
+
+    The sparse kernels read a neuron's down weights as one contiguous row of ``W_down^T``; with the
+    parameter stored that way the compiled graph uses a free view instead of holding a transposed
+    copy. Dense ``F.linear`` reads the transposed storage just as fast. Call before compiling.
+    Returns the names of the parameters re-laid out. Without example inputs, two token ids are used.
+    """
+    from dejavu_compile.explain import explain
+
+    if not example_args and not example_kwargs:
+        device = next(model.parameters()).device
+        example_args = (torch.tensor([[1, 2]], device=device),)
+    report = explain(model, *example_args, **example_kwargs)
+    params = dict(model.named_parameters())
+    changed = []
+    for block in report.blocks:
+        if not isinstance(block, MLPBlock) or block.down.layout != "out_in":
+            continue
+        param = params.get(block.down.name)
+        if param is None or param.t().is_contiguous():
+            continue
+        with torch.no_grad():
+            param.data = param.data.t().contiguous().t()
+        changed.append(block.down.name)
+    torch._dynamo.reset()  # graphs traced before were specialised on the old strides
+    return changed

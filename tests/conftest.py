@@ -1,0 +1,24 @@
+import os
+import pathlib
+
+# Triton kernels run on CPU tensors only in interpreter mode, which must be chosen before any
+# kernel module is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                      str(pathlib.Path(__file__).resolve().parent.parent / ".cache" / "inductor"))
+
+import pytest  # noqa: E402
+
+pytest_plugins = ["dejavu_compile.testing.pytest_plugin"]
+import torch  # noqa: E402
+
+# Two cores under load: multi-threaded small matmuls can stall.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles from a clean Dynamo state, so graph counts and recompiles are its own."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
