@@ -24,6 +24,7 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "max_batch": 8,  # decode batches above this stay dense
     "on_report": None,  # callable(BackendReport) called after each graph is processed
     "strict": False,  # raise instead of falling back to the dense graph when a pass fails
+    "simulate": False,  # masked dense simulation of the plan (quality evaluation; any shape, not faster)
 }
 INNER_CHOICES = ("inductor", "eager")
 
@@ -35,6 +36,7 @@ class BackendReport:
     graph_id: str
     match: Any = None  # passes.match.MatchResult
     rewritten: list[str] = field(default_factory=list)
+    graph: Any = None  # the graph handed to the inner compiler
     dense_reason: str | None = None
     error: str | None = None
 
@@ -158,6 +160,7 @@ class DejavuBackend:
                         report.graph_id, type(exc).__name__, exc)
             report.error = f"{type(exc).__name__}: {exc}"
             gm = original
+        report.graph = gm
         if opts["on_report"] is not None:
             opts["on_report"](report)
         return _compile_inner(gm, example_inputs, opts, mode)

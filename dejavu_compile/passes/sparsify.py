@@ -192,6 +192,8 @@ def sparsify(gm: fx.GraphModule, example_inputs, report, opts) -> fx.GraphModule
         return gm
     tokens = {b.tokens for b in match.blocks}
     batch = max(b.batch for b in match.blocks)
+    if opts.get("simulate"):
+        return _simulate(gm, match, plan, report, example_inputs)
     if tokens != {1}:
         report.dense_reason = f"prefill-shaped graph ({max(tokens)} tokens per sequence): dense"
         return gm
@@ -216,23 +218,63 @@ def sparsify(gm: fx.GraphModule, example_inputs, report, opts) -> fx.GraphModule
     return gm
 
 
-def _rewrite_mlp(gm, graph, block: MLPBlock, entry, ordered, values, report) -> None:
+def _insert_selection(gm, graph, block: MLPBlock, entry, ordered, values):
+    """Predictor and top-k, right after the input they read (as early as their inputs allow).
+
+    Returns (flat (tokens, k) neuron ids, the node the predictor reads)."""
     x = block.nodes["input"]
     weight_value = values.get(block.up.node)
     dtype = weight_value.dtype if weight_value is not None else torch.float32
     device = weight_value.device if weight_value is not None else torch.device("cpu")
     source = _previous_input(block, ordered) if entry.lookahead else x
-    prefix = f"dejavu_L{block.layer}_mlp"
-
-    # 1. Predictor and top-k, right after the input they read (as early as their inputs allow).
     with graph.inserting_before(source.next):
         flat_source = graph.call_method("reshape", (source, -1, shape_of(source)[-1]))
-        scores = _emit_predictor(gm, graph, entry, flat_source, prefix, dtype, device)
+        scores = _emit_predictor(gm, graph, entry, flat_source, f"dejavu_L{block.layer}_mlp", dtype, device)
         top = graph.call_function(torch.topk, (scores, entry.k), {"dim": -1, "sorted": False})
         idx = graph.call_function(operator.getitem, (top, 1))
     for node in (scores, idx):
         node.meta["dejavu"] = {"role": "predictor" if node is scores else "topk", "layer": block.layer,
                                "kind": "mlp", "reads": source.name, "lookahead": source is not x}
+    return idx, source
+
+
+def _simulate(gm, match, plan, report, example_inputs) -> fx.GraphModule:
+    """Masked dense simulation: the same predictors and top-k, applied as a 0/1 mask on the
+    activations before the dense down projection. Exact per token, any number of tokens (so it
+    evaluates perplexity in one prefill pass); reads every weight, so it is not faster."""
+    values = _placeholder_values(gm, example_inputs)
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    ordered = sorted(match.blocks, key=lambda b: order.get(b.nodes["input"], -1))
+    for block in match.mlp:
+        entry = plan.entries.get((block.layer, "mlp"))
+        if entry is None or entry.dense:
+            continue
+        idx, _ = _insert_selection(gm, graph, block, entry, ordered, values)
+        hidden = block.nodes["hidden"]
+        with graph.inserting_before(hidden.next):
+            flat = graph.call_method("reshape", (hidden, -1, block.intermediate_size))
+            zeros = graph.call_function(torch.zeros_like, (flat,))
+            ones = graph.call_function(torch.ones_like, (idx,), {"dtype": _dtype_of(values, block)})
+            mask = graph.call_function(torch.scatter, (zeros, -1, idx, ones))
+            masked_flat = graph.call_function(operator.mul, (flat, mask))
+            masked = graph.call_method("view_as", (masked_flat, hidden))
+        hidden.replace_all_uses_with(masked, delete_user_cb=lambda user: user not in (flat, masked))
+        report.rewritten.append(f"layer {block.layer} mlp: masked simulation, {entry.k}/{entry.total} neurons")
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _dtype_of(values, block: MLPBlock):
+    weight = values.get(block.up.node)
+    return weight.dtype if weight is not None else torch.float32
+
+
+def _rewrite_mlp(gm, graph, block: MLPBlock, entry, ordered, values, report) -> None:
+    x = block.nodes["input"]
+    prefix = f"dejavu_L{block.layer}_mlp"
+    idx, source = _insert_selection(gm, graph, block, entry, ordered, values)
 
     # 2. The sparse op in place of the block.
     down_value = values.get(block.down.node)

@@ -1,0 +1,212 @@
+"""End-to-end sparse decoding in the backend: predictors with lookahead, top-k and sparse ops."""
+import pytest
+import torch
+
+from dejavu_compile.passes.sparsify import PlanMismatchError, prepare_model
+from dejavu_compile.plan import PlanEntry, SparsityPlan, model_fingerprint
+from dejavu_compile.testing import describe_difference
+from dejavu_compile.testing.tiny import ARCHITECTURES, tiny_model
+
+
+class AlwaysSparseEntry(PlanEntry):
+    """An entry that keeps every neuron but still goes through predictor, top-k and sparse op."""
+
+    @property
+    def dense(self):
+        return False
+
+
+def _ids(batch=1, tokens=6, seed=0):
+    return torch.randint(3, 120, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+
+
+def _plan(model, density, *, entry_cls=PlanEntry, lookahead=True, rank=8, seed=0):
+    from dejavu_compile import explain
+
+    report = explain(model, _ids(1, 3))
+    gen = torch.Generator().manual_seed(seed)
+    entries = {}
+    for block in report.blocks:
+        if block.kind == "mlp":
+            total = block.intermediate_size
+            k = max(1, round(total * density))
+            entries[(block.layer, "mlp")] = entry_cls(
+                block.layer, "mlp", k, total, A=torch.randn(block.hidden_size, rank, generator=gen),
+                B=torch.randn(rank, total, generator=gen), lookahead=lookahead)
+        else:
+            entries[(block.layer, "attention")] = PlanEntry(block.layer, "attention", block.num_heads,
+                                                            block.num_heads, nonlinearity="dense")
+    return SparsityPlan(entries, model_fingerprint(model))
+
+
+def _generate(model, ids, cache="static", options=None, tokens=12):
+    kwargs = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+    original = model.forward
+    if options is not None:
+        model.forward = torch.compile(original, backend="dejavu", options=options)
+    try:
+        with torch.no_grad():
+            return model.generate(ids, **kwargs)
+    finally:
+        model.forward = original
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_full_density_plan_through_sparse_ops_matches_eager(arch):
+    model = tiny_model(arch)
+    plan = _plan(model, 1.0, entry_cls=AlwaysSparseEntry)
+    ids = _ids()
+    reports = []
+    options = {"plan": plan, "inner": "eager", "strict": True, "on_report": reports.append}
+    for cache in ("static", "dynamic"):
+        reference = _generate(model, ids, cache)
+        tokens = _generate(model, ids, cache, options)
+        assert describe_difference(f"tokens ({cache})", tokens, reference, 0, 0) is None
+    rewritten = [r for r in reports if r.rewritten]
+    assert rewritten, "no decode graph went through the sparse ops"
+    ops = {n.target for r in rewritten for n in r.graph.graph.nodes if n.op == "call_function"}
+    expected = torch.ops.dejavu.sparse_gated_mlp.default if arch in (
+        "llama", "mistral", "qwen2", "gemma3_text", "phi3") else torch.ops.dejavu.sparse_mlp.default
+    assert expected in ops
+
+
+def test_full_density_logits_within_fp32_tolerance_with_inductor():
+    model = tiny_model("llama")
+    plan = _plan(model, 1.0, entry_cls=AlwaysSparseEntry)
+    prepare_model(model)
+    ids = _ids(2, 1)  # decode-shaped (one token per sequence, no cache): the sparse path
+    reports = []
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+        compiled = torch.compile(model, backend="dejavu",
+                                 options={"plan": plan, "strict": True, "on_report": reports.append})
+        got = compiled(ids, use_cache=False).logits
+    assert reports[-1].rewritten
+    assert describe_difference("logits", got, expected, rtol=1e-4, atol=1e-4) is None
+
+
+def _masked_reference_llama(model, plan, ids):
+    """Eager LLaMA with hooks: each MLP keeps the top-k neurons its predictor picks from the
+    attention input of the same layer (the lookahead source)."""
+    handles, sources = [], {}
+    for layer, block in enumerate(model.model.layers):
+        entry = plan.entries[(layer, "mlp")]
+
+        def keep_source(module, args, output, layer=layer):
+            sources[layer] = output
+
+        def mask_hidden(module, args, layer=layer, entry=entry):
+            (hidden,) = args
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            idx = entry.scores(sources[layer].reshape(-1, sources[layer].shape[-1])).topk(entry.k, dim=-1).indices
+            mask = torch.zeros_like(flat).scatter(-1, idx, 1.0)
+            return ((flat * mask).view_as(hidden),)
+
+        handles.append(block.input_layernorm.register_forward_hook(keep_source))
+        handles.append(block.mlp.down_proj.register_forward_pre_hook(mask_hidden))
+    try:
+        with torch.no_grad():
+            return model(ids, use_cache=False).logits
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_sparse_decode_matches_masked_reference(batch):
+    model = tiny_model("llama")
+    plan = _plan(model, 0.4)
+    ids = _ids(batch, 1)
+    expected = _masked_reference_llama(model, plan, ids)
+    with torch.no_grad():
+        dense = model(ids, use_cache=False).logits
+        for options in ({"inner": "eager"}, {"simulate": True, "inner": "eager"}):
+            torch._dynamo.reset()
+            got = torch.compile(model, backend="dejavu", options={"plan": plan, "strict": True, **options})(
+                ids, use_cache=False).logits
+            assert describe_difference("logits", got, expected, rtol=1e-4, atol=1e-4) is None, options
+    assert (dense - expected).abs().max() > 1e-3  # the plan really removed something
+
+
+def test_simulation_is_per_token_on_prefill():
+    model = tiny_model("llama")
+    plan = _plan(model, 0.3)
+    ids = _ids(2, 7)
+    expected = _masked_reference_llama(model, plan, ids)
+    with torch.no_grad():
+        got = torch.compile(model, backend="dejavu", options={"plan": plan, "simulate": True, "inner": "eager"})(
+            ids, use_cache=False).logits
+    assert describe_difference("logits", got, expected, rtol=1e-4, atol=1e-4) is None
+
+
+def test_lookahead_predictor_reads_the_previous_blocks_input():
+    model = tiny_model("llama", layers=3)
+    plan = _plan(model, 0.5)
+    reports = []
+    with torch.no_grad():
+        torch.compile(model, backend="dejavu", options={"plan": plan, "inner": "eager", "on_report": reports.append})(
+            _ids(1, 1), use_cache=False)
+    report = reports[-1]
+    graph_nodes = list(report.graph.graph.nodes)
+    position = {n: i for i, n in enumerate(graph_nodes)}
+    predictors = [n for n in graph_nodes if n.meta.get("dejavu", {}).get("role") == "predictor"]
+    assert len(predictors) == 3
+    attention_inputs = {b.layer: b.nodes["input"].name for b in report.match.attention}
+    for node in predictors:
+        meta = node.meta["dejavu"]
+        assert meta["lookahead"] and meta["reads"] == attention_inputs[meta["layer"]]
+        # Scheduled beside the attention block: before that layer's attention output projection.
+        o_proj = next(n for n in graph_nodes if n.op == "call_function" and "o_proj" in str(n.args[1:2])
+                      and f"layers_modules_{meta['layer']}_" in str(n.args[1]))
+        assert position[node] < position[o_proj]
+
+
+def test_prefill_and_large_batches_stay_dense():
+    model = tiny_model("llama")
+    plan = _plan(model, 0.5)
+    reports = []
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="dejavu",
+                                 options={"plan": plan, "inner": "eager", "on_report": reports.append})
+        for ids in (_ids(1, 5), _ids(9, 1)):
+            torch.testing.assert_close(compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
+    reasons = [r.dense_reason for r in reports]
+    assert any("prefill" in (r or "") for r in reasons) and any("max_batch" in (r or "") for r in reasons)
+
+
+def test_plan_for_another_model_is_a_clear_error():
+    small = tiny_model("llama", intermediate=96)
+    other = tiny_model("llama")
+    plan = _plan(small, 0.5)
+    with pytest.raises(ValueError, match="96 neurons"):
+        with torch.no_grad():
+            torch.compile(other, backend="dejavu", options={"plan": plan, "inner": "eager"})(_ids(1, 1), use_cache=False)
+    assert issubclass(PlanMismatchError, ValueError)
+
+
+def test_predictor_dtype_follows_the_model():
+    model = tiny_model("llama").to(torch.bfloat16)
+    plan = _plan(model, 1.0, entry_cls=AlwaysSparseEntry)
+    ids = _ids(1, 1)
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+        got = torch.compile(model, backend="dejavu", options={"plan": plan, "inner": "eager", "strict": True})(
+            ids, use_cache=False).logits
+    assert got.dtype == torch.bfloat16
+    assert describe_difference("logits", got, expected, rtol=3e-2, atol=3e-2) is None
+
+
+def test_prepare_model_relays_out_in_place_without_changing_results():
+    model = tiny_model("llama")
+    ids = _ids()
+    with torch.no_grad():
+        before = model(ids).logits
+    changed = prepare_model(model)
+    assert changed == [f"model.layers.{i}.mlp.down_proj.weight" for i in range(2)]
+    weight = model.model.layers[0].mlp.down_proj.weight
+    assert weight.t().is_contiguous() and weight.shape == (64, 128)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before, rtol=1e-5, atol=1e-5)
+    assert prepare_model(model) == []  # idempotent
