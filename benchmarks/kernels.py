@@ -1,0 +1,240 @@
+"""Dense vs sparse decode kernels (batch 1): median times, speedup, efficiency = speedup x density.
+
+    python benchmarks/kernels.py [--quick] [--shapes llama7b smollm2] [--threads N]
+
+CPU: fp32, dense = the torch ops a decoder runs (MLP: three F.linear; attention: q F.linear,
+RoPE, SDPA over the cache, o F.linear), sparse = the dejavu ops. CUDA (auto-detected): fp16, dense
+on cuBLAS, sparse = the Triton kernels. Efficiency 1.0 means the sparse op reaches the bandwidth
+limit (time scales with the bytes it reads). K/V projections are dense in both and left out.
+
+Caches: decode reads every layer's weights once per token, so nothing stays cached between two
+calls on the same layer. The script cycles through enough copies of the layer weights to exceed the
+last-level cache, draws fresh random indices every call, and interleaves dense and sparse calls.
+It also measures the bandwidth of the building blocks (dense GEMV, row gather, embedding_bag) to show
+what bounds the sparse path. Results: a table on stdout and JSON under benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from dejavu_compile.kernels.mlp import _gather_gemv
+from dejavu_compile.kernels import (prepare_attention_weights, prepare_gated_mlp_weights,
+                                    sparse_gated_mlp, sparse_head_attention)
+
+SHAPES = {
+    "llama7b": dict(d=4096, ff=11008, heads=32, kv_heads=32, head_dim=64),
+    "smollm2": dict(d=576, ff=1536, heads=9, kv_heads=3, head_dim=64),
+}
+DENSITIES = (0.05, 0.1, 0.25, 0.5, 0.75)
+CACHE_BYTES = 512 << 20  # cycle through more weight bytes than this (above the 260 MiB LLC here)
+POOL = 64  # fresh random indices per call, so selected rows are not reused from cache
+
+
+class Timer:
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn):
+        if self.cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b) * 1e-3
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+
+def n_copies(layer_bytes):
+    return max(2, -(-CACHE_BYTES // layer_bytes))
+
+
+def interleaved(timer, dense, sparse, reps, copies):
+    """Alternate dense and sparse calls, each on the next weight copy; all timings (s) of each."""
+    td, ts = [], []
+    for i in range(reps + 2):
+        d = timer(lambda: dense(i % copies))
+        s = timer(lambda: sparse((i + copies // 2) % copies))
+        if i >= 2:  # warm-up
+            td.append(d)
+            ts.append(s)
+    return td, ts
+
+
+def summarize(op, k, total, td, ts):
+    """Medians (the figures) and minimums (less sensitive to other processes on the machine)."""
+    dm, sm = statistics.median(td), statistics.median(ts)
+    return dict(op=op, density=k / total, k=k, dense_ms=dm * 1e3, sparse_ms=sm * 1e3, speedup=dm / sm,
+                efficiency=dm / sm * k / total, dense_min_ms=min(td) * 1e3, sparse_min_ms=min(ts) * 1e3,
+                efficiency_of_min=min(td) / min(ts) * k / total)
+
+
+def bench_mlp(shape, dtype, device, reps, densities, timer):
+    d, ff = shape["d"], shape["ff"]
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    layer_bytes = 3 * d * ff * torch.finfo(dtype).bits // 8
+    layers = []
+    for _ in range(n_copies(layer_bytes)):
+        w = [torch.randn(*s, generator=gen).div_(s[1] ** 0.5).to(device, dtype) for s in ((ff, d), (ff, d), (d, ff))]
+        layers.append(prepare_gated_mlp_weights(*w))
+        del w
+    x = torch.randn(1, d, generator=gen).to(device, dtype)
+
+    def dense(i):
+        w = layers[i]["dense"]
+        return F.linear(F.silu(F.linear(x, w["w_gate"])) * F.linear(x, w["w_up"]), w["w_down"])
+
+    rows = []
+    for dens in densities:
+        k = max(1, round(dens * ff))
+        pool = [torch.randperm(ff, generator=gen)[:k].sort().values.to(device) for _ in range(POOL)]
+        calls = [0]
+
+        def sparse(i):
+            calls[0] += 1
+            p = layers[i]
+            return sparse_gated_mlp(x, p["w_gate"], p["w_up"], p["w_down_t"], pool[calls[0] % POOL], "silu")
+
+        row = summarize("gated_mlp", k, ff, *interleaved(timer, dense, sparse, reps, len(layers)))
+        row.update(dense_GBps=layer_bytes / row["dense_ms"] / 1e6,
+                   sparse_GBps=layer_bytes * k / ff / row["sparse_ms"] / 1e6)
+        rows.append(row)
+    return rows
+
+
+def rope(q, cos, sin):
+    h = q.shape[-1] // 2
+    return q * cos + torch.cat([-q[..., h:], q[..., :h]], -1) * sin
+
+
+def bench_attention(shape, dtype, device, reps, densities, timer, t_ctx=512):
+    hidden, h, hkv, hd = shape["d"], shape["heads"], shape["kv_heads"], shape["head_dim"]
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    layer_bytes = (2 * h * hd * hidden + 2 * hkv * t_ctx * hd) * torch.finfo(dtype).bits // 8
+    layers = []
+    for _ in range(n_copies(layer_bytes)):
+        wq = torch.randn(h * hd, hidden, generator=gen).div_(hidden ** 0.5).to(device, dtype)
+        wo = torch.randn(hidden, h * hd, generator=gen).div_(hidden ** 0.5).to(device, dtype)
+        p = prepare_attention_weights(wq, wo)
+        p["k"] = torch.randn(1, hkv, t_ctx, hd, generator=gen).to(device, dtype)
+        p["v"] = torch.randn(1, hkv, t_ctx, hd, generator=gen).to(device, dtype)
+        layers.append(p)
+    x = torch.randn(1, hidden, generator=gen).to(device, dtype)
+    pos = torch.tensor([[t_ctx - 1.0]])
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+    emb = torch.cat([pos * inv, pos * inv], -1)
+    cos, sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+
+    def dense(i):
+        p = layers[i]
+        q = rope(F.linear(x, p["dense"]["w_q"]).view(1, h, 1, hd), cos, sin)
+        o = F.scaled_dot_product_attention(q, p["k"], p["v"], enable_gqa=True)
+        return F.linear(o.reshape(1, h * hd), p["dense"]["w_o"])
+
+    rows = []
+    for k in sorted({max(1, round(dens * h)) for dens in densities}):  # 9 heads: 0.05 and 0.1 -> 1
+        pool = [torch.randperm(h, generator=gen)[:k].sort().values.to(device) for _ in range(POOL)]
+        calls = [0]
+
+        def sparse(i):
+            calls[0] += 1
+            p = layers[i]
+            return sparse_head_attention(x, p["w_q"], None, p["k"], p["v"], p["w_o_t"], None,
+                                         pool[calls[0] % POOL], cos, sin, None, None, hd ** -0.5, hd)
+
+        rows.append(summarize("head_attention", k, h, *interleaved(timer, dense, sparse, reps, len(layers))))
+    return rows
+
+
+def bench_bounds(shape, dtype, device, reps, densities, timer):
+    """GB/s of the building blocks on cold weights (bytes of the selected rows / time): dense GEMV;
+    a plain row gather (index_select copy); the chunked gather + GEMV of the gate/up part; the
+    embedding_bag weighted row sum of the down part."""
+    d, ff = shape["d"], shape["ff"]
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    mat_bytes = d * ff * torch.finfo(dtype).bits // 8
+    mats = [torch.randn(ff, d, generator=gen).to(device, dtype) for _ in range(n_copies(mat_bytes))]
+    x = torch.randn(1, d, generator=gen).to(device, dtype)
+    out = {}
+    med = lambda fn: statistics.median([timer(lambda: fn(i)) for i in range(reps + 2)][2:])
+    out["dense_gemv_GBps"] = mat_bytes / med(lambda i: F.linear(x, mats[i % len(mats)])) / 1e9
+    for dens in densities:
+        k = max(1, round(dens * ff))
+        pool = [torch.randperm(ff, generator=gen)[:k].sort().values.to(device) for _ in range(POOL)]
+        buf = torch.empty(k, d, dtype=dtype, device=device)
+        h = torch.randn(k, generator=gen).to(device, dtype)
+        offs = torch.arange(0, k, -(-k // (2 * torch.get_num_threads())), device=device)
+        sel = mat_bytes * k / ff
+        out[f"row_gather_GBps@{dens}"] = sel / med(lambda i: torch.index_select(mats[i % len(mats)], 0, pool[i % POOL], out=buf)) / 1e9
+        pre = torch.empty(k, 1, 1, dtype=dtype, device=device)
+        out[f"chunked_gather_gemv_GBps@{dens}"] = sel / med(
+            lambda i: _gather_gemv([mats[i % len(mats)]], pool[i % POOL], x.t(), pre)) / 1e9
+        out[f"embedding_bag_GBps@{dens}"] = sel / med(
+            lambda i: F.embedding_bag(pool[i % POOL], mats[i % len(mats)], offs, mode="sum", per_sample_weights=h)) / 1e9
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="few repetitions, LLaMA MLP at 0.1/0.5 only + SmolLM2")
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<device>-t<threads>.json)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    reps = 5 if args.quick else 21
+    densities = (0.1, 0.5) if args.quick else DENSITIES
+    timer = Timer(device)
+    if device.type == "cuda":  # the idx range check syncs with the GPU; a compiled backend turns it off
+        from dejavu_compile.kernels import _common
+        _common.CHECK_INDICES = False
+    if os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
+        print(f"# WARNING: load average {os.getloadavg()} - other processes share the CPUs; "
+              "multi-threaded CPU timings will be noisy (OpenMP barriers wait for descheduled threads)")
+    machine = dict(device=str(device), gpu=torch.cuda.get_device_name() if device.type == "cuda" else None,
+                   platform=platform.platform(), processor=platform.processor() or platform.machine(),
+                   threads=torch.get_num_threads(), cpus=os.cpu_count(), loadavg_at_start=os.getloadavg(),
+                   torch=torch.__version__, dtype=str(dtype), reps=reps)
+    print(f"# {machine}")
+    result = dict(machine=machine, shapes={})
+    torch.set_grad_enabled(False)
+    for name in args.shapes:
+        shape = SHAPES[name]
+        rows = bench_mlp(shape, dtype, device, reps, densities, timer)
+        rows += bench_attention(shape, dtype, device, reps, densities, timer)
+        bounds = bench_bounds(shape, dtype, device, reps, densities, timer) if device.type == "cpu" else {}
+        result["shapes"][name] = dict(shape=shape, rows=rows, bounds=bounds)
+        print(f"\n## {name} {shape}")
+        print(f"{'op':<15}{'density':>8}{'dense ms':>10}{'sparse ms':>11}{'speedup':>9}{'effic.':>8}"
+              f"{'| min: dense':>13}{'sparse':>9}{'effic.':>8}")
+        for r in rows:
+            print(f"{r['op']:<15}{r['density']:>8.3f}{r['dense_ms']:>10.3f}{r['sparse_ms']:>11.3f}"
+                  f"{r['speedup']:>9.2f}{r['efficiency']:>8.2f}{r['dense_min_ms']:>13.3f}"
+                  f"{r['sparse_min_ms']:>9.3f}{r['efficiency_of_min']:>8.2f}")
+        for key, val in bounds.items():
+            print(f"  {key}: {val:.1f}")
+    path = args.out or os.path.join(os.path.dirname(__file__), "results", f"kernels-{device.type}-t{torch.get_num_threads()}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    result["machine"]["loadavg_at_end"] = os.getloadavg()
+    print(f"# load average at end: {os.getloadavg()}")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""Sparse kernels for Deja Vu decoding, registered as ``torch.library`` ops in namespace ``dejavu``.
+
+Ops (each with a fake kernel; CPU runs the torch path, CUDA runs Triton):
+- ``sparse_gated_mlp(x, w_gate, w_up, w_down_t, idx, activation, b_gate=None, b_up=None, b_down=None)``
+- ``sparse_mlp(x, w_up, b_up, w_down_t, b_down, idx, activation)``
+- ``sparse_head_attention(x, w_q, b_q, k_cache, v_cache, w_o_t, b_o, head_idx, cos, sin,
+  valid_len, attn_mask, scale, rotary_dim)`` (see ``attention.py``)
+
+Weight layouts are prepared once with ``prepare_gated_mlp_weights``, ``prepare_mlp_weights`` and
+``prepare_attention_weights``. Triton launchers live in ``triton_mlp`` (imported on first CUDA use,
+so this package imports without triton; don't import it eagerly: under TRITON_INTERPRET the flag is
+read at its import).
+
+Notes for callers: inference only (no autograd formula). ``w_down_t``/``w_o_t`` should be
+contiguous (F, d) (embedding_bag would copy a strided one on every call). Per-row indices (B, k) are
+meant for decode batches (B <= 8); the CPU path loops over rows, so prefill should stay dense. The
+idx range check syncs with the device; set ``dejavu_compile.kernels._common.CHECK_INDICES = False``
+to skip it (e.g. for CUDA graphs).
+"""
+from ._common import ACTIVATIONS
+from .attention import sparse_head_attention, sparse_head_attention_torch
+from .mlp import sparse_gated_mlp, sparse_gated_mlp_torch, sparse_mlp, sparse_mlp_torch
+from .prepare import (prepare_attention_weights, prepare_gated_mlp_weights, prepare_mlp_weights,
+                      prepared_overhead)
+
+__all__ = [
+    "ACTIVATIONS", "sparse_gated_mlp", "sparse_mlp", "sparse_head_attention",
+    "sparse_gated_mlp_torch", "sparse_mlp_torch", "sparse_head_attention_torch",
+    "prepare_gated_mlp_weights", "prepare_mlp_weights", "prepare_attention_weights",
+    "prepared_overhead",
+]

@@ -1,0 +1,226 @@
+"""Neuron-sparse MLP ops: ``dejavu::sparse_gated_mlp`` and ``dejavu::sparse_mlp``.
+
+Both compute, for each row b of x, only the intermediate neurons listed in idx[b] (or in a shared
+idx), reading only those rows of the weights:
+
+    gated:  y_b = sum_{j in idx[b]} act(w_gate[j].x_b + b_gate[j]) * (w_up[j].x_b + b_up[j]) * w_down_t[j] + b_down
+    plain:  y_b = sum_{j in idx[b]} act(w_up[j].x_b + b_up[j]) * w_down_t[j] + b_down
+
+``w_down_t`` is the down projection's weight transposed, stored contiguous (F, d), so a neuron's
+down column is one contiguous row (see ``prepare.py``).
+
+CPU path (torch): the gate/up GEMV gathers the selected rows in L2-sized chunks with
+``index_select(out=)`` into one reused buffer and multiplies them there, so every weight byte is read
+from memory once (a whole ``W[idx]`` copy would write and re-read it all). If gate and up are the two
+halves of one (F, 2, d) tensor (``prepare_gated_mlp_weights``), one gather fetches both. The down
+projection is ``embedding_bag(mode="sum", per_sample_weights=h)``, a weighted sum of rows read in
+place; idx is split into several bags so the rows are summed in parallel. CUDA path: Triton
+(``triton_mlp.py``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _common as C
+
+# Gather this many bytes of weight rows per chunk and thread: the chunk stays in L2 for the matmul.
+# (Measured on LLaMA-7B rows, 2 threads: 256 KiB/thread is 40% slower, 1-2 MiB/thread is best.)
+CHUNK_BYTES = 1 << 20
+
+
+# ---------------------------------------------------------------------------------------------
+# checks (metadata only: shared by the fake and the real kernels)
+
+
+def _check(x, w_a, w_b, w_down_t, idx, activation, b_a, b_b, b_down, a_name, b_name) -> None:
+    C.check_x(x)
+    C.check_activation(activation)
+    C.check_tensor(a_name, w_a, 2, x)
+    n_neurons, d = w_a.shape
+    if d != x.shape[1]:
+        raise ValueError(f"{a_name} has {d} input features but x has {x.shape[1]}")
+    if w_b is not None:
+        C.check_tensor(b_name, w_b, 2, x)
+        C.check_shape(b_name, w_b, (n_neurons, d))
+    C.check_tensor("w_down_t", w_down_t, 2, x)
+    if w_down_t.shape[0] != n_neurons:
+        raise ValueError(f"w_down_t must be (F={n_neurons}, d_out) (the down weight transposed), "
+                         f"got shape {tuple(w_down_t.shape)}")
+    for name, bias, size in (("b_gate" if w_b is not None else "b_up", b_a, n_neurons),
+                             ("b_up", b_b, n_neurons), ("b_down", b_down, w_down_t.shape[1])):
+        if bias is not None:
+            C.check_tensor(name, bias, 1, x)
+            C.check_shape(name, bias, (size,))
+    C.check_idx("idx", idx, x.shape[0], x)
+    if idx.shape[-1] > n_neurons:
+        raise ValueError(f"idx selects {idx.shape[-1]} neurons but there are only {n_neurons}")
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU (torch) path
+
+
+def _stacked_rows(w_a: Tensor, w_b: Tensor) -> Optional[Tensor]:
+    """(F, 2d) view when w_a/w_b are the [:, 0] and [:, 1] halves of one (F, 2, d) tensor."""
+    n, d = w_a.shape
+    if (w_a.stride() == (2 * d, 1) and w_b.stride() == (2 * d, 1)
+            and w_a.untyped_storage().data_ptr() == w_b.untyped_storage().data_ptr()
+            and w_b.storage_offset() == w_a.storage_offset() + d):
+        return w_a.as_strided((n, 2 * d), (2 * d, 1))
+    return None
+
+
+def _gather_gemv(mats: list[Tensor], rows: Tensor, xt: Tensor, out: Tensor) -> None:
+    """out[i, m, :] = mats[m][rows[i]] @ xt for every i, reading each weight row once.
+
+    mats: one (F, m*d) tensor (stacked halves) or m separate (F, d); xt (d, B); out (k, m, B).
+    Rows are gathered a chunk at a time into one small buffer that stays in cache for the matmul.
+    """
+    k, m, nb = out.shape
+    d = xt.shape[0]
+    chunk = min(k, max(8, CHUNK_BYTES * torch.get_num_threads() // (m * d * xt.element_size())))
+    if len(mats) == 1:
+        buf = C.empty(chunk, m * d, dtype=xt.dtype, device=xt.device)
+        for s in range(0, k, chunk):
+            n = min(k, s + chunk) - s
+            torch.index_select(mats[0], 0, rows[s:s + n], out=buf[:n])
+            torch.mm(buf[:n].view(n * m, d), xt, out=out[s:s + n].view(n * m, nb))
+        return
+    buf = C.empty(m, chunk, d, dtype=xt.dtype, device=xt.device)
+    res = C.empty(m, chunk, nb, dtype=xt.dtype, device=xt.device)
+    for s in range(0, k, chunk):
+        n = min(k, s + chunk) - s
+        for j, w in enumerate(mats):
+            torch.index_select(w, 0, rows[s:s + n], out=buf[j, :n])
+            torch.mm(buf[j, :n], xt, out=res[j, :n])
+        out[s:s + n].copy_(res[:, :n].transpose(0, 1))
+
+
+def _down_rows_sum(rows: Tensor, h: Tensor, w_down_t: Tensor, out: Tensor) -> None:
+    """out[b] = sum_i h[b, i] * w_down_t[rows[b, i]]; rows, h (B, k); rows read in place.
+
+    Each row's list is cut into `splits` bags so embedding_bag sums them on all threads.
+    """
+    nb, k = rows.shape
+    splits = max(1, min(2 * torch.get_num_threads(), k // 64))
+    per = -(-k // splits)
+    splits = -(-k // per)
+    offsets = torch.arange(0, k, per, device=rows.device)
+    if nb > 1:
+        offsets = (torch.arange(0, nb * k, k, device=rows.device)[:, None] + offsets).reshape(-1)
+    bags = F.embedding_bag(rows.reshape(-1), w_down_t, offsets, mode="sum",
+                           per_sample_weights=h.reshape(-1))
+    torch.sum(bags.view(nb, splits, -1), dim=1, out=out)
+
+
+def _mlp_torch(x, w_a, w_b, w_down_t, idx, activation, b_a, b_b, b_down, out=None) -> Tensor:
+    """Shared CPU body; w_b is None for the plain MLP. Writes every element of `out`."""
+    nb, d = x.shape
+    gated = w_b is not None
+    m = 2 if gated else 1
+    rows = C.rows_2d(idx, nb)
+    k = rows.shape[1]
+    stacked = _stacked_rows(w_a, w_b) if gated else None
+    mats = [stacked] if stacked is not None else ([w_a, w_b] if gated else [w_a])
+    if idx.dim() == 1:  # one gather serves every row
+        pre = C.empty(k, m, nb, dtype=x.dtype, device=x.device)
+        _gather_gemv(mats, idx, x.t(), pre)
+        pre = pre.permute(2, 0, 1)  # (B, k, m)
+    else:
+        pre = C.empty(nb, k, m, 1, dtype=x.dtype, device=x.device)
+        for b in range(nb):
+            _gather_gemv(mats, rows[b], x[b, :, None], pre[b])
+        pre = pre[..., 0]
+    # Biases and the activation in fp32 (cheap: k values per row), then back to the weight dtype.
+    a = pre[..., 0].float()
+    if b_a is not None:
+        a = a + b_a.float()[rows]
+    h = C.activate(a, activation)
+    if gated:
+        u = pre[..., 1].float()
+        if b_b is not None:
+            u = u + b_b.float()[rows]
+        h = h * u
+    h = h.to(x.dtype)
+    if out is None:
+        out = C.empty(nb, w_down_t.shape[1], dtype=x.dtype, device=x.device)
+    _down_rows_sum(rows, h, w_down_t, out)
+    if b_down is not None:
+        out.add_(b_down)
+    return out
+
+
+def sparse_gated_mlp_torch(x, w_gate, w_up, w_down_t, idx, activation, b_gate=None, b_up=None,
+                           b_down=None, *, out: Optional[Tensor] = None) -> Tensor:
+    """CPU/torch implementation of ``sparse_gated_mlp`` (checks included; ``out`` for tests)."""
+    _check(x, w_gate, w_up, w_down_t, idx, activation, b_gate, b_up, b_down, "w_gate", "w_up")
+    C.check_idx_range("idx", idx, w_gate.shape[0])
+    return _mlp_torch(x, w_gate, w_up, w_down_t, idx, activation, b_gate, b_up, b_down, out)
+
+
+def sparse_mlp_torch(x, w_up, b_up, w_down_t, b_down, idx, activation, *,
+                     out: Optional[Tensor] = None) -> Tensor:
+    """CPU/torch implementation of ``sparse_mlp`` (checks included; ``out`` for tests)."""
+    _check(x, w_up, None, w_down_t, idx, activation, b_up, None, b_down, "w_up", None)
+    C.check_idx_range("idx", idx, w_up.shape[0])
+    return _mlp_torch(x, w_up, None, w_down_t, idx, activation, b_up, None, b_down, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# custom ops
+
+
+@torch.library.custom_op("dejavu::sparse_gated_mlp", mutates_args=())
+def sparse_gated_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, idx: Tensor,
+                     activation: str, b_gate: Optional[Tensor] = None, b_up: Optional[Tensor] = None,
+                     b_down: Optional[Tensor] = None) -> Tensor:
+    """y = sum over j in idx of act(w_gate[j].x + b_gate[j]) * (w_up[j].x + b_up[j]) * w_down_t[j] + b_down.
+
+    x (B, d); w_gate, w_up (F, d); w_down_t (F, d_out); idx int64 (k,) shared or (B, k) per row;
+    activation in {"silu", "gelu", "gelu_tanh", "relu"}; biases optional. Returns (B, d_out).
+    """
+    return sparse_gated_mlp_torch(x, w_gate, w_up, w_down_t, idx, activation, b_gate, b_up, b_down)
+
+
+@sparse_gated_mlp.register_kernel("cuda")
+def _(x, w_gate, w_up, w_down_t, idx, activation, b_gate=None, b_up=None, b_down=None):
+    _check(x, w_gate, w_up, w_down_t, idx, activation, b_gate, b_up, b_down, "w_gate", "w_up")
+    C.check_idx_range("idx", idx, w_gate.shape[0])
+    from . import triton_mlp
+    return triton_mlp.sparse_gated_mlp_triton(x, w_gate, w_up, w_down_t, idx, activation,
+                                              b_gate, b_up, b_down, check=False)
+
+
+@sparse_gated_mlp.register_fake
+def _(x, w_gate, w_up, w_down_t, idx, activation, b_gate=None, b_up=None, b_down=None):
+    _check(x, w_gate, w_up, w_down_t, idx, activation, b_gate, b_up, b_down, "w_gate", "w_up")
+    return x.new_empty(x.shape[0], w_down_t.shape[1])
+
+
+@torch.library.custom_op("dejavu::sparse_mlp", mutates_args=())
+def sparse_mlp(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_down_t: Tensor,
+               b_down: Optional[Tensor], idx: Tensor, activation: str) -> Tensor:
+    """y = sum over j in idx of act(w_up[j].x + b_up[j]) * w_down_t[j] + b_down (OPT, GPT-2).
+
+    x (B, d); w_up (F, d); w_down_t (F, d_out); b_up (F,) / b_down (d_out,) or None;
+    idx int64 (k,) or (B, k). Returns (B, d_out).
+    """
+    return sparse_mlp_torch(x, w_up, b_up, w_down_t, b_down, idx, activation)
+
+
+@sparse_mlp.register_kernel("cuda")
+def _(x, w_up, b_up, w_down_t, b_down, idx, activation):
+    _check(x, w_up, None, w_down_t, idx, activation, b_up, None, b_down, "w_up", None)
+    C.check_idx_range("idx", idx, w_up.shape[0])
+    from . import triton_mlp
+    return triton_mlp.sparse_mlp_triton(x, w_up, b_up, w_down_t, b_down, idx, activation, check=False)
+
+
+@sparse_mlp.register_fake
+def _(x, w_up, b_up, w_down_t, b_down, idx, activation):
+    _check(x, w_up, None, w_down_t, idx, activation, b_up, None, b_down, "w_up", None)
+    return x.new_empty(x.shape[0], w_down_t.shape[1])

@@ -1,0 +1,161 @@
+"""Neuron-sparse MLP ops (CPU torch path) against a float64 dense masked reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from unittest import mock
+
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from tests.conftest_kernels import assert_close, mlp_cases, mlp_problem, mlp_reference, poison  # noqa: F401
+from dejavu_compile.kernels import (ACTIVATIONS, prepare_gated_mlp_weights, prepare_mlp_weights,
+                                    prepared_overhead, sparse_gated_mlp, sparse_gated_mlp_torch,
+                                    sparse_mlp, sparse_mlp_torch)
+from dejavu_compile.kernels import mlp as mlp_mod
+
+torch.set_num_threads(1)
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _nan_out(p):
+    return torch.full((p["x"].shape[0], p["w_down_t"].shape[1]), float("nan"), dtype=p["x"].dtype)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=mlp_cases(), dtype=st.sampled_from(DTYPES), activation=st.sampled_from(ACTIVATIONS),
+       stacked=st.booleans(), small_chunks=st.booleans())
+def test_sparse_gated_mlp_matches_masked_dense(case, dtype, activation, stacked, small_chunks, poison):
+    # small_chunks: several gather chunks even on small shapes
+    with mock.patch.object(mlp_mod, "CHUNK_BYTES", 1 if small_chunks else mlp_mod.CHUNK_BYTES):
+        _check_gated(case, dtype, activation, stacked)
+
+
+def _check_gated(case, dtype, activation, stacked):
+    p = mlp_problem(dtype=dtype, gated=True, **case)
+    ref, bound = mlp_reference(p, activation, gated=True)
+    wg, wu = p["w_gate"], p["w_up"]
+    if stacked:  # the (F, 2, d) layout of prepare_gated_mlp_weights: one gather for both
+        prep = prepare_gated_mlp_weights(wg, wu, p["w_down_t"].t())
+        wg, wu = prep["w_gate"], prep["w_up"]
+        assert mlp_mod._stacked_rows(wg, wu) is not None
+    out = sparse_gated_mlp_torch(p["x"], wg, wu, p["w_down_t"], p["idx"], activation,
+                                 p["b_gate"], p["b_up"], p["b_down"], out=_nan_out(p))
+    assert_close(out, ref, bound, dtype, "torch path")
+    op_out = sparse_gated_mlp(p["x"], wg, wu, p["w_down_t"], p["idx"], activation,
+                              b_gate=p["b_gate"], b_up=p["b_up"], b_down=p["b_down"])
+    assert_close(op_out, ref, bound, dtype, "custom op")
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=mlp_cases(), dtype=st.sampled_from(DTYPES), activation=st.sampled_from(ACTIVATIONS))
+def test_sparse_mlp_matches_masked_dense(case, dtype, activation, poison):
+    p = mlp_problem(dtype=dtype, gated=False, **case)
+    ref, bound = mlp_reference(p, activation, gated=False)
+    out = sparse_mlp_torch(p["x"], p["w_up"], p["b_up"], p["w_down_t"], p["b_down"], p["idx"],
+                           activation, out=_nan_out(p))
+    assert_close(out, ref, bound, dtype, "torch path")
+    op_out = sparse_mlp(p["x"], p["w_up"], p["b_up"], p["w_down_t"], p["b_down"], p["idx"], activation)
+    assert_close(op_out, ref, bound, dtype, "custom op")
+
+
+def test_reference_detects_a_dropped_neuron():
+    """The comparison can fail: leaving out one selected neuron is caught."""
+    p = mlp_problem(seed=0, batch=2, d=16, n=24, k=12, dtype=torch.float32, gated=True, per_row=False, biases=False)
+    ref, bound = mlp_reference(p, "silu", gated=True)
+    out = sparse_gated_mlp(p["x"], p["w_gate"], p["w_up"], p["w_down_t"], p["idx"][:-1], "silu")
+    with pytest.raises(AssertionError):
+        assert_close(out, ref, bound, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_full_density_equals_llama_mlp(dtype):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=48, intermediate_size=136, hidden_act="silu", num_attention_heads=4, num_key_value_heads=4)
+    mlp = LlamaMLP(cfg).to(dtype)
+    x = torch.randn(5, 48, dtype=dtype)
+    with torch.no_grad():
+        dense = mlp(x)
+        prep = prepare_gated_mlp_weights(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        out = sparse_gated_mlp(x, prep["w_gate"], prep["w_up"], prep["w_down_t"], torch.arange(136), "silu")
+        # the dense path can run from the prepared storage alone
+        d = prep["dense"]
+        dense_views = F.linear(F.silu(F.linear(x, d["w_gate"])) * F.linear(x, d["w_up"]), d["w_down"])
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    scale = dense.abs().max().item()
+    assert (out - dense).abs().max().item() <= tol * scale * 4
+    assert (dense_views - dense).abs().max().item() <= tol * scale * 4
+
+
+def test_full_density_equals_plain_linear_mlp():
+    torch.manual_seed(1)
+    fc, proj = torch.nn.Linear(32, 96), torch.nn.Linear(96, 32)
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        dense = proj(F.gelu(fc(x), approximate="tanh"))
+        prep = prepare_mlp_weights(fc.weight, proj.weight, fc.bias, proj.bias)
+        out = sparse_mlp(x, prep["w_up"], prep["b_up"], prep["w_down_t"], prep["b_down"], torch.arange(96), "gelu_tanh")
+    torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_prepare_conv1d_layout_and_overhead():
+    torch.manual_seed(2)
+    c_fc, c_proj = torch.randn(32, 96), torch.randn(96, 32)  # GPT-2 Conv1D weights are (in, out)
+    prep = prepare_mlp_weights(c_fc, c_proj, layout="in_out")
+    torch.testing.assert_close(prep["w_up"], c_fc.t())
+    torch.testing.assert_close(prep["dense"]["w_down"], c_proj.t())
+    assert prepared_overhead(prep, [c_fc, c_proj]) == 0.0
+    wg, wu, wd = torch.randn(96, 32), torch.randn(96, 32), torch.randn(32, 96)
+    prep = prepare_gated_mlp_weights(wg, wu, wd)
+    assert prepared_overhead(prep, [wg, wu, wd]) == 0.0
+    assert prep["w_gate"].untyped_storage().data_ptr() == prep["w_up"].untyped_storage().data_ptr()
+
+
+def _args():
+    torch.manual_seed(3)
+    return dict(x=torch.randn(2, 8), w_gate=torch.randn(10, 8), w_up=torch.randn(10, 8),
+                w_down_t=torch.randn(10, 8), idx=torch.tensor([1, 4, 7]), activation="silu")
+
+
+@pytest.mark.parametrize("change, exc, word", [
+    (dict(idx=torch.tensor([1, 10])), ValueError, "idx"),
+    (dict(idx=torch.tensor([-1, 2])), ValueError, "idx"),
+    (dict(idx=torch.tensor([1, 2], dtype=torch.int32)), TypeError, "idx"),
+    (dict(idx=torch.tensor([[1, 2]] * 3)), ValueError, "idx"),
+    (dict(idx=torch.zeros(0, dtype=torch.int64)), ValueError, "idx"),
+    (dict(w_up=torch.randn(10, 8, dtype=torch.float64)), TypeError, "w_up"),
+    (dict(w_up=torch.randn(11, 8)), ValueError, "w_up"),
+    (dict(w_gate=torch.randn(10, 9)), ValueError, "w_gate"),
+    (dict(w_down_t=torch.randn(8, 10)), ValueError, "w_down_t"),
+    (dict(x=torch.randn(8)), ValueError, "x"),
+    (dict(activation="tanh"), ValueError, "activation"),
+    (dict(b_down=torch.randn(7)), ValueError, "b_down"),
+    (dict(w_gate=torch.randn(10, 8, device="meta")), ValueError, "w_gate"),
+])
+def test_bad_input_raises_clear_error(change, exc, word):
+    args = {**_args(), **change}
+    for fn in (sparse_gated_mlp, sparse_gated_mlp_torch):
+        with pytest.raises(exc, match=word):
+            fn(**args)
+
+
+def test_sparse_mlp_bad_bias():
+    a = _args()
+    with pytest.raises(ValueError, match="b_up"):
+        sparse_mlp(a["x"], a["w_up"], torch.randn(3), a["w_down_t"], None, a["idx"], "relu")
+
+
+def test_package_imports_and_runs_without_triton():
+    """Triton is imported only on the CUDA path: with it missing, the CPU ops still work."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch, dejavu_compile.kernels as K\n"
+            "x = torch.randn(1, 8); w = torch.randn(10, 8)\n"
+            "print(K.sparse_gated_mlp(x, w, w, w, torch.tensor([1, 2]), 'relu').shape)\n"
+            "assert 'dejavu_compile.kernels.triton_mlp' not in sys.modules\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "torch.Size([1, 8])" in res.stdout

@@ -1,0 +1,96 @@
+"""Triton kernels under the interpreter (TRITON_INTERPRET=1) on CPU tensors, small shapes.
+
+Triton reads TRITON_INTERPRET when ``@triton.jit`` decorates a kernel, i.e. when
+``dejavu_compile.kernels.triton_mlp`` is first imported in the process. So the variable is set here,
+before that import; nothing else imports the module on a CPU-only run (the ops import it lazily on
+their CUDA path). If it was imported earlier without the variable, the launchers raise and these
+tests are skipped with the reason. On a GPU machine the same tests run the compiled kernels on CUDA.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+pytest.importorskip("triton")
+from tests.conftest_kernels import (assert_close, attention_cases, attention_problem, attention_reference,  # noqa: E402,F401
+                              attn_args, mlp_cases, mlp_problem, mlp_reference, poison)
+from dejavu_compile.kernels import ACTIVATIONS, prepare_gated_mlp_weights  # noqa: E402
+from dejavu_compile.kernels import triton_mlp  # noqa: E402
+from dejavu_compile.kernels.attention import sparse_head_attention_triton  # noqa: E402
+
+import triton  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+INTERPRETED = isinstance(triton_mlp._gather_gemv, triton.runtime.interpreter.InterpretedFunction)
+pytestmark = pytest.mark.skipif(not CUDA and not INTERPRETED,
+                                reason="triton_mlp was imported before TRITON_INTERPRET=1 was set")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]  # kernels compute in fp32, so bf16 is right interpreted too
+torch.set_num_threads(1)
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def test_interpret_flag_took_effect():
+    assert CUDA or INTERPRETED
+
+
+def _to(p):
+    return {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in p.items()}
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(case=mlp_cases(max_d=150, max_n=300), dtype=st.sampled_from(DTYPES),
+       activation=st.sampled_from(ACTIVATIONS), stacked=st.booleans())
+def test_sparse_gated_mlp_triton(case, dtype, activation, stacked, poison):
+    p = mlp_problem(dtype=dtype, gated=True, **case)
+    ref, bound = mlp_reference(p, activation, gated=True)
+    p = _to(p)
+    wg, wu = p["w_gate"], p["w_up"]
+    if stacked:  # row stride 2d: the kernel reads the views in place
+        prep = prepare_gated_mlp_weights(wg, wu, p["w_down_t"].t())
+        wg, wu = prep["w_gate"], prep["w_up"]
+    out = torch.full((p["x"].shape[0], p["w_down_t"].shape[1]), float("nan"), dtype=dtype, device=DEVICE)
+    triton_mlp.sparse_gated_mlp_triton(p["x"], wg, wu, p["w_down_t"], p["idx"], activation,
+                                       p["b_gate"], p["b_up"], p["b_down"], out=out)
+    assert_close(out, ref, bound, dtype, "triton gated")
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(case=mlp_cases(max_d=150, max_n=300), dtype=st.sampled_from(DTYPES),
+       activation=st.sampled_from(ACTIVATIONS))
+def test_sparse_mlp_triton(case, dtype, activation, poison):
+    p = mlp_problem(dtype=dtype, gated=False, **case)
+    ref, bound = mlp_reference(p, activation, gated=False)
+    p = _to(p)
+    out = triton_mlp.sparse_mlp_triton(p["x"], p["w_up"], p["b_up"], p["w_down_t"], p["b_down"],
+                                       p["idx"], activation)
+    assert_close(out, ref, bound, dtype, "triton plain")
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(case=attention_cases(), dtype=st.sampled_from(DTYPES))
+def test_sparse_head_attention_triton(case, dtype, poison):
+    p = attention_problem(dtype=dtype, **case)
+    ref, bound = attention_reference(p)
+    p = _to(p)
+    out = torch.full((p["x"].shape[0], p["w_o_t"].shape[1]), float("nan"), dtype=dtype, device=DEVICE)
+    sparse_head_attention_triton(*attn_args(p), out=out)
+    assert_close(out, ref, bound, dtype, "triton attention")
+
+
+def test_triton_rejects_bad_idx_before_launch():
+    x, w = torch.randn(1, 8, device=DEVICE), torch.randn(10, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="idx"):
+        triton_mlp.sparse_gated_mlp_triton(x, w, w, w, torch.tensor([3, 12], device=DEVICE), "silu")
+
+
+def test_autotune_wrappers_build():
+    """The CUDA launch path wraps the kernels in triton.autotune; building it needs no GPU."""
+    for name in ("gemv", "rows_sum"):
+        tuned = triton_mlp._autotuned(name)
+        assert len(tuned.configs) >= 4
