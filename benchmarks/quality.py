@@ -1,0 +1,178 @@
+"""Quality harness: held-out perplexity, dense vs sparse, per selection method and MLP density.
+
+All sparse numbers are a *masked dense simulation* (dense model, per-token 0/1 masks applied by
+forward hooks, see dejavu_compile.quality): they measure quality, not speed.
+
+    python benchmarks/quality.py            # full sweep (~15-25 min on 2 CPU cores)
+    python benchmarks/quality.py --quick    # 0.5 density only, fewer tokens
+
+Writes benchmarks/results/quality.json, quality.png and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from dejavu_compile.calibrate import DEFAULT_MLP_DENSITY, calibrate
+from dejavu_compile.data import news_texts, tokenize_chunks, wiki_articles
+from dejavu_compile.models import load_smollm2
+from dejavu_compile.quality import (
+    SIM_LABEL, TealSelector, cats_selector, oracle_selector, perplexity, plan_selector,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--densities", type=float, nargs="*", default=None)
+    ap.add_argument("--eval-tokens", type=int, default=None)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--calib-tokens", type=int, default=8192)
+    ap.add_argument("--methods", nargs="*", default=["oracle", "learned_lookahead", "learned", "cats", "teal"])
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    densities = args.densities or ([0.5] if args.quick else [0.3, 0.4, 0.5, 0.6, 0.75])
+    eval_tokens = args.eval_tokens or (1024 if args.quick else 2048)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    t0 = time.time()
+    model, tok = load_smollm2()
+    sets = {
+        "wiki": tokenize_chunks(tok, wiki_articles("eval"), args.seq_len, eval_tokens),
+        "news": tokenize_chunks(tok, news_texts(), args.seq_len, eval_tokens),
+    }
+    dense = {name: perplexity(model, chunks) for name, chunks in sets.items()}
+    print(f"dense perplexity: " + ", ".join(f"{k} {v:.3f}" for k, v in dense.items()), flush=True)
+
+    # Collect once; every learned plan below is calibrated from the same samples.
+    from dejavu_compile.calibrate import collect
+
+    calib_chunks = tokenize_chunks(tok, wiki_articles("calibration"), args.seq_len, args.calib_tokens)
+    tc = time.time()
+    samples, _ = collect(model, calib_chunks, max_tokens=args.calib_tokens, progress=True)
+    collect_s = time.time() - tc
+
+    rows = []
+    plans = {}
+
+    def record(method, density, selector, extra=None):
+        row = {"method": method, "mlp_density": density, **(extra or {})}
+        for name, chunks in sets.items():
+            ppl = perplexity(model, chunks, selector)
+            row[f"{name}_ppl"] = ppl
+            row[f"{name}_increase"] = ppl / dense[name] - 1.0
+        rows.append(row)
+        print(f"{method:18s} density {density:.2f}  wiki {row['wiki_increase']:+7.2%}  news {row['news_increase']:+7.2%}", flush=True)
+
+    builders = {}
+    for method in args.methods:
+        if method in ("learned", "learned_lookahead"):
+            tt = time.time()
+            builders[method] = calibrate(model, tok, lookahead=method == "learned_lookahead", samples=samples,
+                                         progress=True, return_builder=True)
+            print(f"{method}: predictors fitted in {time.time() - tt:.0f} s", flush=True)
+
+    for density in densities:
+        for method in args.methods:
+            if method == "oracle":
+                record(method, density, oracle_selector(density))
+            elif method == "cats":
+                record(method, density, cats_selector(model, density))
+            elif method == "teal":  # density = share of MLP *input channels* kept
+                record(method, density, TealSelector(density))
+            elif method in builders:
+                plan = builders[method](density)
+                plans[(method, density)] = plan
+                mlp = [plan.entry(l, "mlp") for l in range(plan.num_layers)]
+                sparse = [e for e in mlp if not e.dense]
+                extra = {
+                    "plan_density": plan.mlp_density,
+                    "mean_recall": sum(e.stats["recall"] for e in mlp) / len(mlp),
+                    "mean_mass": sum(e.stats["mass"] for e in mlp) / len(mlp),
+                    "mean_oracle_mass": sum(e.stats["oracle_mass"] for e in mlp) / len(mlp),
+                    "dense_layers": len(mlp) - len(sparse),
+                    "predictor_flops_vs_block": (
+                        sparse[0].predictor_flops() / (6 * sparse[0].total * model.config.hidden_size)
+                        if sparse else 0.0),
+                }
+                record(method, density, plan_selector(plan), extra)
+
+    # Default operating point (what `calibrate()` returns with its defaults: lookahead, DEFAULT_MLP_DENSITY).
+    if "learned_lookahead" in builders:
+        default_plan = builders["learned_lookahead"](DEFAULT_MLP_DENSITY)
+    else:
+        default_plan = calibrate(model, tok, samples=samples, progress=False)
+    record("default_plan", default_plan.mlp_density, plan_selector(default_plan), {"collect_s": collect_s})
+
+    # Per-layer recall/mass, with and without lookahead, at 0.5 (or the first density) if calibrated.
+    per_layer = []
+    ref = 0.5 if 0.5 in densities else densities[0]
+    if ("learned", ref) in plans and ("learned_lookahead", ref) in plans:
+        a, b = plans[("learned", ref)], plans[("learned_lookahead", ref)]
+        print(f"\nper-layer MLP predictor quality at target density {ref} (validation tokens)")
+        print(" layer   k(own)  recall  mass | k(look) recall  mass | oracle mass")
+        for l in range(a.num_layers):
+            ea, eb = a.entry(l, "mlp"), b.entry(l, "mlp")
+            per_layer.append({"layer": l, "own": {"k": ea.k, **ea.stats}, "lookahead": {"k": eb.k, **eb.stats}})
+            print(f" {l:5d} {ea.k:7d} {ea.stats['recall']:7.3f} {ea.stats['mass']:5.3f} | {eb.k:7d} "
+                  f"{eb.stats['recall']:6.3f} {eb.stats['mass']:5.3f} | {ea.stats['oracle_mass']:.3f}")
+
+    # Table
+    print(f"\nHeld-out perplexity increase vs dense ({SIM_LABEL}); dense wiki {dense['wiki']:.3f}, news {dense['news']:.3f}")
+    print(f"{'method':18s} {'density':>7s} {'wiki':>8s} {'news':>8s}")
+    for r in rows:
+        print(f"{r['method']:18s} {r['mlp_density']:7.3f} {r['wiki_increase']:+8.2%} {r['news_increase']:+8.2%}")
+    cfg = model.config
+    d, F = cfg.hidden_size, cfg.intermediate_size
+    cost = {"block_params": 3 * d * F, "block_flops_per_token": 6 * d * F,
+            "predictor_params": default_plan.entry(cfg.num_hidden_layers - 1, "mlp").predictor_params()}
+    result = {
+        "label": SIM_LABEL, "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized fp32)",
+        "eval_tokens": {k: sum(c.numel() for c in v) for k, v in sets.items()}, "dense": dense,
+        "rows": rows, "per_layer": per_layer, "default_plan": default_plan.settings, "cost": cost,
+        "collect_s": collect_s, "total_s": time.time() - t0,
+        "notes": {
+            "teal": "density = share of the MLP input channels kept (largest |x|), gate/up/down run on "
+                    "the masked input; not a neuron selector",
+            "cats": "top-k by |act(gate(x))|, needs the full gate GEMV",
+            "learned": "glu low-rank predictor (rank d/4 per projection), k per layer by greedy budget",
+        },
+    }
+    (out / "quality.json").write_text(json.dumps(result, indent=1))
+    _plot(rows, out / "quality.png")
+    print(f"\nwrote {out/'quality.json'} and {out/'quality.png'} in {time.time()-t0:.0f} s")
+    return 0
+
+
+def _plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, name in zip(axes, ("wiki", "news")):
+        for method in dict.fromkeys(r["method"] for r in rows):
+            pts = sorted((r["mlp_density"], 100 * r[f"{name}_increase"]) for r in rows if r["method"] == method)
+            ax.plot(*zip(*pts), marker="o", label=method)
+        ax.set_title(f"held-out {name} ({SIM_LABEL})")
+        ax.set_xlabel("MLP density (teal: input-channel density)")
+        ax.set_yscale("symlog", linthresh=5)
+        ax.axhline(3, color="grey", ls=":")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("perplexity increase vs dense (%)")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,290 @@
+"""SparsityPlan: per-layer predictors and k, bound to one model by a fingerprint.
+
+On disk (a directory):
+    plan.json          format version, fingerprint, calibration settings, one record per entry
+    predictors.safetensors   "{layer}.{kind}.A", ".B", optional ".a", ".b"
+`SparsityPlan.load` validates everything it reads and raises ValueError naming the problem;
+`plan.check(model)` raises ValueError listing what differs between the plan's model and `model`.
+
+Predictor kinds (entry.nonlinearity):
+    "none" / "relu":  scores = act(x A + a) B + b          (Deja Vu, A: (d, r), B: (r, total))
+    "glu":            h = x A + a, A: (d, 2r), B: (2r, total); scores = |act(h[:r] B[:r]) * (h[r:] B[r:])|
+                      a low-rank copy of the gated MLP itself (`activation` names act).
+    "dense":          no predictor (k == total).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+FORMAT_VERSION = 1
+KINDS = ("mlp", "attention")
+NONLINEARITIES = ("none", "relu", "glu", "dense")
+_ACTS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu, "gelu_pytorch_tanh": lambda t: F.gelu(t, approximate="tanh")}
+
+
+@dataclass
+class PlanEntry:
+    layer: int
+    kind: str  # "mlp" | "attention"
+    k: int
+    total: int
+    A: torch.Tensor | None = None
+    B: torch.Tensor | None = None
+    a: torch.Tensor | None = None
+    b: torch.Tensor | None = None
+    nonlinearity: str = "none"
+    activation: str = "silu"  # used by "glu"
+    lookahead: bool = False
+    stats: dict[str, Any] = field(default_factory=dict)  # recall, mass etc. measured at calibration
+
+    @property
+    def density(self) -> float:
+        return self.k / self.total
+
+    @property
+    def dense(self) -> bool:
+        return self.k >= self.total
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., d) -> (..., total) predictor scores (higher = keep)."""
+        if self.A is None:
+            return torch.ones(*x.shape[:-1], self.total, dtype=x.dtype, device=x.device)
+        A = self.A.to(x.device, x.dtype if x.dtype.is_floating_point else torch.float32)
+        h = x.to(A.dtype) @ A
+        if self.a is not None:
+            h = h + self.a.to(h)
+        B = self.B.to(h)
+        if self.nonlinearity == "glu":
+            r = B.shape[0] // 2
+            act = _ACTS.get(self.activation, F.silu)
+            s = (act(h[..., :r] @ B[:r]) * (h[..., r:] @ B[r:])).abs()
+        else:
+            if self.nonlinearity == "relu":
+                h = torch.relu(h)
+            s = h @ B
+        if self.b is not None and self.nonlinearity != "glu":
+            s = s + self.b.to(s)
+        return s
+
+    def select(self, x: torch.Tensor) -> torch.LongTensor:
+        """(B, d) block (or lookahead) input -> (B, k) indices of the kept neurons / heads."""
+        if self.dense:
+            return torch.arange(self.total, device=x.device).expand(*x.shape[:-1], self.total)
+        return self.scores(x).topk(self.k, dim=-1).indices
+
+    def predictor_params(self) -> int:
+        return sum(t.numel() for t in (self.A, self.B, self.a, self.b) if t is not None)
+
+    def predictor_flops(self) -> int:
+        """Multiply-adds x2 per token of the predictor."""
+        if self.A is None:
+            return 0
+        return 2 * (self.A.numel() + self.B.numel())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {n: t.contiguous() for n, t in (("A", self.A), ("B", self.B), ("a", self.a), ("b", self.b)) if t is not None}
+
+
+def model_fingerprint(model) -> dict[str, Any]:
+    """Architecture, per-parameter shapes and a hash of the weights (sampled, fast, deterministic)."""
+    cfg = model.config
+    arch = {
+        "model_type": getattr(cfg, "model_type", type(model).__name__),
+        "num_layers": getattr(cfg, "num_hidden_layers", None),
+        "hidden_size": getattr(cfg, "hidden_size", None),
+        "intermediate_size": getattr(cfg, "intermediate_size", None),
+        "num_heads": getattr(cfg, "num_attention_heads", None),
+        "num_kv_heads": getattr(cfg, "num_key_value_heads", None),
+    }
+    h = hashlib.sha256()
+    shapes = {}
+    for name, p in sorted(model.state_dict().items()):
+        shapes[name] = list(p.shape)
+        flat = p.detach().reshape(-1).float().cpu()
+        # Hash a strided sample (<= 4096 values per tensor): every tensor, fast for any size.
+        step = max(1, flat.numel() // 4096)
+        h.update(name.encode())
+        h.update(flat[::step].numpy().tobytes())
+    shape_hash = hashlib.sha256(json.dumps(shapes, sort_keys=True).encode()).hexdigest()[:16]
+    return {"architecture": arch, "shapes_hash": shape_hash, "weights_hash": h.hexdigest()[:16], "num_tensors": len(shapes)}
+
+
+@dataclass
+class SparsityPlan:
+    entries: dict[tuple[int, str], PlanEntry]
+    fingerprint: dict[str, Any]
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def dense(cls, model, settings: dict | None = None) -> "SparsityPlan":
+        """A plan that keeps every neuron and head (equivalence tests, baselines)."""
+        cfg = model.config
+        entries = {}
+        for layer in range(cfg.num_hidden_layers):
+            entries[(layer, "mlp")] = PlanEntry(layer, "mlp", cfg.intermediate_size, cfg.intermediate_size, nonlinearity="dense")
+            entries[(layer, "attention")] = PlanEntry(
+                layer, "attention", cfg.num_attention_heads, cfg.num_attention_heads, nonlinearity="dense"
+            )
+        return cls(entries, model_fingerprint(model), dict(settings or {"method": "dense"}))
+
+    full_density = dense
+
+    # ---------------------------------------------------------------- summaries
+    def _density(self, kind: str) -> float:
+        es = [e for (l, k), e in self.entries.items() if k == kind]
+        if not es:
+            return 1.0
+        return sum(e.k for e in es) / sum(e.total for e in es)
+
+    @property
+    def mlp_density(self) -> float:
+        """Average fraction of MLP neurons kept (over all layers)."""
+        return self._density("mlp")
+
+    @property
+    def attn_density(self) -> float:
+        return self._density("attention")
+
+    @property
+    def num_layers(self) -> int:
+        return 1 + max(l for l, _ in self.entries) if self.entries else 0
+
+    def entry(self, layer: int, kind: str) -> PlanEntry:
+        return self.entries[(layer, kind)]
+
+    def summary(self) -> str:
+        lines = [f"SparsityPlan: {self.num_layers} layers, MLP density {self.mlp_density:.3f}, attention density {self.attn_density:.3f}"]
+        for (l, kind), e in sorted(self.entries.items()):
+            extra = " ".join(f"{k}={v:.3f}" for k, v in e.stats.items() if isinstance(v, float))
+            lines.append(f"  L{l:02d} {kind:9s} k={e.k:5d}/{e.total:<5d} {e.nonlinearity:5s} lookahead={e.lookahead} {extra}")
+        return "\n".join(lines)
+
+    # ---------------------------------------------------------------- model binding
+    def check(self, model) -> None:
+        """Raise ValueError saying what differs when `model` is not the model this plan was made for."""
+        fp = model_fingerprint(model)
+        diffs = []
+        for key, want in self.fingerprint.get("architecture", {}).items():
+            got = fp["architecture"].get(key)
+            if got != want:
+                diffs.append(f"{key}: plan has {want}, model has {got}")
+        if not diffs and fp["shapes_hash"] != self.fingerprint.get("shapes_hash"):
+            diffs.append("parameter names/shapes differ")
+        if not diffs and fp["weights_hash"] != self.fingerprint.get("weights_hash"):
+            diffs.append(
+                f"weights differ (hash {self.fingerprint.get('weights_hash')} in plan vs {fp['weights_hash']}): "
+                "same architecture but other weights (a fine-tune or another checkpoint); recalibrate"
+            )
+        if diffs:
+            raise ValueError("SparsityPlan does not match this model: " + "; ".join(diffs))
+
+    # ---------------------------------------------------------------- persistence
+    def save(self, directory) -> Path:
+        from safetensors.torch import save_file
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        tensors, records = {}, []
+        for (layer, kind), e in sorted(self.entries.items()):
+            for n, t in e.tensors().items():
+                tensors[f"{layer}.{kind}.{n}"] = t.detach().float().cpu().contiguous()
+            records.append(
+                {"layer": layer, "kind": kind, "k": e.k, "total": e.total, "nonlinearity": e.nonlinearity,
+                 "activation": e.activation, "lookahead": e.lookahead, "tensors": sorted(e.tensors()),
+                 "stats": e.stats}
+            )
+        digest = hashlib.sha256()
+        for name in sorted(tensors):
+            digest.update(name.encode())
+            digest.update(tensors[name].numpy().tobytes())
+        meta = {"format": "dejavu-compile-plan", "version": FORMAT_VERSION, "fingerprint": self.fingerprint,
+                "settings": self.settings, "entries": records, "tensors_sha256": digest.hexdigest()}
+        save_file(tensors, str(d / "predictors.safetensors"))
+        (d / "plan.json").write_text(json.dumps(meta, indent=1, default=_json_default))
+        return d
+
+    @classmethod
+    def load(cls, directory, model=None) -> "SparsityPlan":
+        """Read a plan directory; with `model`, also `check` it against the model."""
+        d = Path(directory)
+        if not d.is_dir():
+            raise ValueError(f"SparsityPlan directory {d} does not exist")
+        meta_path, tens_path = d / "plan.json", d / "predictors.safetensors"
+        if not meta_path.exists():
+            raise ValueError(f"{d} is not a SparsityPlan (plan.json missing: partial or wrong directory)")
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{meta_path} is corrupt (not valid JSON: {err})") from err
+        if not isinstance(meta, dict) or meta.get("format") != "dejavu-compile-plan":
+            raise ValueError(f"{meta_path} is not a dejavu-compile plan file")
+        if meta.get("version") != FORMAT_VERSION:
+            raise ValueError(f"{meta_path} has plan format version {meta.get('version')}, this code reads {FORMAT_VERSION}")
+        records = meta.get("entries")
+        if not isinstance(records, list):
+            raise ValueError(f"{meta_path} is corrupt: 'entries' missing")
+        needs_tensors = any(r.get("tensors") for r in records)
+        tensors: dict[str, torch.Tensor] = {}
+        if needs_tensors:
+            if not tens_path.exists():
+                raise ValueError(f"{d} is partial: predictors.safetensors missing")
+            from safetensors import SafetensorError
+            from safetensors.torch import load_file
+
+            try:
+                tensors = load_file(str(tens_path))
+            except (SafetensorError, OSError, RuntimeError, ValueError) as err:
+                raise ValueError(f"{tens_path} is corrupt or truncated ({err})") from err
+            digest = hashlib.sha256()
+            for name in sorted(tensors):
+                digest.update(name.encode())
+                digest.update(tensors[name].numpy().tobytes())
+            if digest.hexdigest() != meta.get("tensors_sha256"):
+                raise ValueError(f"{tens_path} does not match plan.json (checksum differs: corrupt or from another plan)")
+        entries = {}
+        for r in records:
+            try:
+                layer, kind, k, total = int(r["layer"]), r["kind"], int(r["k"]), int(r["total"])
+                nl = r.get("nonlinearity", "none")
+                if kind not in KINDS or nl not in NONLINEARITIES or not (1 <= k <= total):
+                    raise ValueError(f"bad values {r!r}")
+                ts = {n: tensors[f"{layer}.{kind}.{n}"] for n in r.get("tensors", [])}
+            except (KeyError, TypeError, ValueError) as err:
+                raise ValueError(f"{meta_path} is corrupt: bad entry ({err})") from err
+            e = PlanEntry(layer, kind, k, total, ts.get("A"), ts.get("B"), ts.get("a"), ts.get("b"), nl,
+                          r.get("activation", "silu"), bool(r.get("lookahead", False)), r.get("stats", {}))
+            _validate_entry(e)
+            entries[(layer, kind)] = e
+        plan = cls(entries, meta.get("fingerprint", {}), meta.get("settings", {}))
+        if model is not None:
+            plan.check(model)
+        return plan
+
+
+def _validate_entry(e: PlanEntry) -> None:
+    if e.A is None:
+        if not e.dense:
+            raise ValueError(f"plan entry layer {e.layer} {e.kind}: k={e.k} < total={e.total} but no predictor")
+        return
+    if e.B is None or e.A.dim() != 2 or e.B.dim() != 2 or e.A.shape[1] != e.B.shape[0] or e.B.shape[1] != e.total:
+        raise ValueError(
+            f"plan entry layer {e.layer} {e.kind}: predictor shapes A {tuple(e.A.shape)}, "
+            f"B {None if e.B is None else tuple(e.B.shape)} do not fit total={e.total}"
+        )
+
+
+def _json_default(o):
+    if isinstance(o, torch.Tensor):
+        return o.tolist()
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    raise TypeError(f"not JSON serialisable: {type(o)}")

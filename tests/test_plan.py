@@ -1,0 +1,109 @@
+"""SparsityPlan persistence and model binding."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from dejavu_compile.plan import PlanEntry, SparsityPlan  # noqa: E402
+from test_calibration import FF, H, L, PLANT, batches, tiny_llama  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_and_plan():
+    from dejavu_compile.collect import collect
+    from dejavu_compile.calibrate import calibrate
+
+    model = tiny_llama()
+    samples, _ = collect(model, batches(3, 48), progress=False)
+    plan = calibrate(model, None, samples=samples, mlp_density=0.5, attn_density=0.75, rank=PLANT, progress=False)
+    return model, plan
+
+
+def test_round_trip(tmp_path, model_and_plan):
+    model, plan = model_and_plan
+    plan.save(tmp_path / "p")
+    back = SparsityPlan.load(tmp_path / "p", model=model)
+    assert back.mlp_density == plan.mlp_density and back.attn_density == plan.attn_density
+    assert set(back.entries) == set(plan.entries)
+    x = torch.randn(7, model.config.hidden_size)
+    for key, e in plan.entries.items():
+        b = back.entries[key]
+        assert (b.k, b.total, b.nonlinearity, b.lookahead) == (e.k, e.total, e.nonlinearity, e.lookahead)
+        assert torch.equal(b.select(x), e.select(x))
+    assert back.settings["target_mlp_density"] == 0.5
+    assert back.fingerprint == plan.fingerprint
+
+
+def test_dense_plan_round_trip(tmp_path):
+    model = tiny_llama(planted=False)
+    plan = SparsityPlan.dense(model)
+    assert plan.mlp_density == 1.0 and plan.attn_density == 1.0
+    assert plan.entry(0, "mlp").select(torch.randn(2, model.config.hidden_size)).shape == (2, FF)
+    plan.save(tmp_path)
+    SparsityPlan.load(tmp_path).check(model)
+
+
+def test_wrong_model_is_a_clear_error(tmp_path, model_and_plan):
+    model, plan = model_and_plan
+    plan.save(tmp_path)
+    other_weights = tiny_llama(seed=3)  # same architecture, other weights
+    with pytest.raises(ValueError, match="weights differ"):
+        SparsityPlan.load(tmp_path, model=other_weights)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=FF * 2, num_hidden_layers=L,
+                      num_attention_heads=H, num_key_value_heads=2)
+    with pytest.raises(ValueError, match="intermediate_size"):
+        plan.check(LlamaForCausalLM(cfg))
+
+
+def test_corrupt_or_partial_directory_is_a_clear_error(tmp_path, model_and_plan):
+    _, plan = model_and_plan
+    d = tmp_path / "plan"
+    plan.save(d)
+    tens = (d / "predictors.safetensors").read_bytes()
+    meta = (d / "plan.json").read_text()
+
+    (d / "predictors.safetensors").write_bytes(tens[: len(tens) // 2])  # truncated
+    with pytest.raises(ValueError, match="corrupt|truncated"):
+        SparsityPlan.load(d)
+
+    flipped = bytearray(tens)
+    flipped[-5] ^= 0xFF  # one flipped byte inside tensor data
+    (d / "predictors.safetensors").write_bytes(bytes(flipped))
+    with pytest.raises(ValueError, match="checksum"):
+        SparsityPlan.load(d)
+
+    (d / "predictors.safetensors").unlink()
+    with pytest.raises(ValueError, match="partial"):
+        SparsityPlan.load(d)
+
+    (d / "predictors.safetensors").write_bytes(tens)
+    (d / "plan.json").write_text(meta[: len(meta) // 2])
+    with pytest.raises(ValueError, match="corrupt"):
+        SparsityPlan.load(d)
+
+    bad = json.loads(meta)
+    bad["entries"][0]["k"] = bad["entries"][0]["total"] + 1
+    (d / "plan.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="bad entry"):
+        SparsityPlan.load(d)
+
+    (d / "plan.json").unlink()
+    with pytest.raises(ValueError, match="plan.json missing"):
+        SparsityPlan.load(d)
+    with pytest.raises(ValueError, match="does not exist"):
+        SparsityPlan.load(tmp_path / "nowhere")
+
+
+def test_entry_shape_validation(tmp_path):
+    model = tiny_llama(planted=False)
+    plan = SparsityPlan.dense(model)
+    plan.entries[(0, "mlp")] = PlanEntry(0, "mlp", 10, FF, torch.randn(64, 4), torch.randn(5, FF))
+    plan.save(tmp_path)
+    with pytest.raises(ValueError, match="do not fit"):
+        SparsityPlan.load(tmp_path)
