@@ -122,7 +122,8 @@ def test_sparse_decode_matches_masked_reference(batch):
     expected = _masked_reference_llama(model, plan, ids)
     with torch.no_grad():
         dense = model(ids, use_cache=False).logits
-        for options in ({"inner": "eager"}, {"simulate": True, "inner": "eager"}):
+        for options in ({"inner": "eager"}, {"simulate": True, "inner": "eager"},
+                        {"inner": "inductor"}, {"inner": "inductor", "cpu_lowering": "op"}):
             torch._dynamo.reset()
             got = torch.compile(model, backend="dejavu", options={"plan": plan, "strict": True, **options})(
                 ids, use_cache=False).logits

@@ -1,0 +1,162 @@
+"""Decode speed and quality side by side: HF eager, Inductor dense, dejavu over a density sweep.
+
+    python benchmarks/decode.py                 # SmolLM2-135M sweep + synthetic LLaMA-1B-shaped layers
+    python benchmarks/decode.py --quick         # fewer densities and tokens
+
+Speed: tokens/s of the decode phase (static cache, batch 1), variants interleaved in one process on
+the same prompt, medians over repeats. Quality: held-out Wikipedia perplexity of the same plan
+(masked simulation through the backend, which selects exactly the neurons the sparse ops use).
+Writes benchmarks/results/decode.json and decode.png (speedup vs perplexity increase).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+import torch
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def synthetic_plan(model, density: float, rank: int, seed: int = 0):
+    """Random low-rank predictors (speed only: shapes and k matter, not what is selected)."""
+    from dejavu_compile.plan import PlanEntry, SparsityPlan, model_fingerprint
+
+    cfg = model.config
+    gen = torch.Generator().manual_seed(seed)
+    entries = {}
+    for layer in range(cfg.num_hidden_layers):
+        total = cfg.intermediate_size
+        entries[(layer, "mlp")] = PlanEntry(layer, "mlp", max(1, round(total * density)), total,
+                                            A=torch.randn(cfg.hidden_size, rank, generator=gen) / cfg.hidden_size ** 0.5,
+                                            B=torch.randn(rank, total, generator=gen), lookahead=True)
+    return SparsityPlan(entries, model_fingerprint(model))
+
+
+def run_smollm2(args, report):
+    from dejavu_compile.bench import Variant, compiled_forward, measure_decode
+    from dejavu_compile.calibrate import calibrate
+    from dejavu_compile.cli import DEMO_PROMPT, bandwidth_bound
+    from dejavu_compile.data import tokenize_chunks, wiki_articles
+    from dejavu_compile.evaluate import perplexity
+    from dejavu_compile.models import load_smollm2
+    from dejavu_compile.passes.sparsify import prepare_model
+
+    model, tok = load_smollm2()
+    build = calibrate(model, tok, return_builder=True)
+    prepare_model(model)
+    ids = tok(DEMO_PROMPT, return_tensors="pt").input_ids
+    chunks = tokenize_chunks(tok, wiki_articles("eval"), seq_len=256, max_tokens=args.eval_tokens)
+    dense_ppl = perplexity(model, chunks)
+    plans = {d: build(d) for d in args.densities}
+    variants = [Variant("HF eager", lambda f: f), Variant("Inductor dense", compiled_forward("inductor"))]
+    variants += [Variant(f"dejavu {d:.2f}", compiled_forward("dejavu", options={"plan": p})) for d, p in plans.items()]
+    speed = measure_decode(model, ids, variants, new_tokens=args.new_tokens, repeats=args.repeats)
+    base = speed["Inductor dense"]["tokens_per_s"]
+    rows = []
+    for name, row in speed.items():
+        entry = {"variant": name, "tokens_per_s": row["tokens_per_s"], "speedup_vs_inductor": row["tokens_per_s"] / base,
+                 "runs": row["runs"]}
+        if name.startswith("dejavu"):
+            plan = plans[float(name.split()[1])]
+            ppl = perplexity(model, chunks, plan, progress=True)
+            bound = bandwidth_bound(model, plan)
+            entry.update(mlp_density=plan.mlp_density, perplexity=ppl, ppl_increase=ppl / dense_ppl - 1,
+                         bandwidth_bound=bound, efficiency=entry["speedup_vs_inductor"] / bound)
+        else:
+            entry.update(mlp_density=1.0, perplexity=dense_ppl, ppl_increase=0.0)
+        rows.append(entry)
+    report["smollm2"] = rows
+    print(f"\nSmolLM2-135M, CPU fp32, batch 1, static cache, {args.new_tokens} new tokens "
+          f"(held-out perplexity on {sum(c.numel() for c in chunks)} Wikipedia tokens, dense {dense_ppl:.2f})")
+    print(f"{'variant':<16}{'MLP density':>12}{'tokens/s':>10}{'speedup':>9}{'bound':>7}{'eff.':>6}{'ppl':>8}{'Δppl':>8}")
+    for r in rows:
+        print(f"{r['variant']:<16}{r['mlp_density']:>12.2f}{r['tokens_per_s']:>10.2f}{r['speedup_vs_inductor']:>8.2f}x"
+              f"{r.get('bandwidth_bound', 1.0):>6.2f}x{r.get('efficiency', 1.0):>6.2f}{r['perplexity']:>8.2f}"
+              f"{r['ppl_increase']:>+8.1%}")
+
+
+def run_synthetic(args, report):
+    """LLaMA-1B-shaped layers with random weights: how the gain scales with model width."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dejavu_compile.bench import Variant, compiled_forward, measure_decode
+    from dejavu_compile.passes.sparsify import prepare_model
+
+    config = AutoConfig.for_model("llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=args.synthetic_layers,
+                                  num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    prepare_model(model)
+    ids = torch.randint(3, 32000, (1, 8))
+    densities = (0.5, 0.25)
+    variants = [Variant("Inductor dense", compiled_forward("inductor"))]
+    variants += [Variant(f"dejavu {d:.2f}", compiled_forward("dejavu", options={"plan": synthetic_plan(model, d, 64)}))
+                 for d in densities]
+    speed = measure_decode(model, ids, variants, new_tokens=args.new_tokens // 2, repeats=args.repeats)
+    base = speed["Inductor dense"]["tokens_per_s"]
+    rows = [{"variant": n, "tokens_per_s": r["tokens_per_s"], "speedup_vs_inductor": r["tokens_per_s"] / base}
+            for n, r in speed.items()]
+    report["synthetic_llama1b_layers"] = {"layers": args.synthetic_layers, "hidden": 2048, "intermediate": 8192, "rows": rows}
+    print(f"\nLLaMA-1B-shaped, {args.synthetic_layers} layers, random weights (speed only)")
+    for r in rows:
+        print(f"{r['variant']:<16}{r['tokens_per_s']:>10.2f} tokens/s{r['speedup_vs_inductor']:>8.2f}x")
+
+
+def plot(report, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report.get("smollm2", []) if r["variant"].startswith("dejavu")]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([100 * r["ppl_increase"] for r in rows], [r["speedup_vs_inductor"] for r in rows], "o-", label="dejavu")
+    for r in rows:
+        ax.annotate(f"{r['mlp_density']:.2f}", (100 * r["ppl_increase"], r["speedup_vs_inductor"]),
+                    textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.plot([0], [1.0], "s", label="Inductor dense")
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.set_xlabel("held-out perplexity increase (%)")
+    ax.set_ylabel("decode speedup over Inductor dense")
+    ax.set_title("SmolLM2-135M, CPU fp32, batch 1 (labels: MLP density)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--densities", type=float, nargs="+", default=[0.35, 0.5, 0.65, 0.8])
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--eval-tokens", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--synthetic-layers", type=int, default=4)
+    ap.add_argument("--skip-synthetic", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.densities, args.new_tokens, args.repeats, args.eval_tokens = [0.5], 24, 2, 1024
+    torch.set_num_threads(args.threads)
+    from dejavu_compile.bench import machine_description
+
+    report = {"machine": machine_description(), "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d")}
+    run_smollm2(args, report)
+    if not args.skip_synthetic:
+        run_synthetic(args, report)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "decode.json").write_text(json.dumps(report, indent=2))
+    plot(report, RESULTS / "decode.png")
+    print(f"\nmachine: {report['machine']}\nwrote {RESULTS / 'decode.json'} and decode.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

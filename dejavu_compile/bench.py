@@ -1,0 +1,75 @@
+"""Decode-speed measurement shared by the demo and ``benchmarks/decode.py``.
+
+Each variant is a way to run ``model.forward`` (eager, Inductor, dejavu with a plan). Variants are
+measured interleaved in one process on the same prompt; decode speed excludes the prefill: it is
+``(n - 1) / (t(n tokens) - t(1 token))`` with a static cache, medians over repeats.
+"""
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Variant:
+    name: str
+    wrap: Callable  # original forward -> forward to use (identity for eager)
+    forward: Callable | None = None
+    times: dict[int, list[float]] = field(default_factory=dict)
+    outputs: torch.Tensor | None = None
+
+
+def _generate(model, ids, new_tokens):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              cache_implementation="static", pad_token_id=model.config.eos_token_id)
+
+
+def measure_decode(model, ids: torch.Tensor, variants: list[Variant], new_tokens: int = 32,
+                   repeats: int = 3, progress: bool = True) -> dict[str, dict]:
+    """Tokens/s per variant. The first run of each variant (compilation) is not timed."""
+    original = model.forward
+    for v in variants:
+        v.forward = v.wrap(original)
+    rounds = [(r, v, n) for r in range(repeats + 1) for v in variants for n in (1, new_tokens)]
+    iterator = rounds
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(rounds, desc="decode benchmark", unit="run")
+    try:
+        for rep, variant, n in iterator:
+            model.forward = variant.forward
+            start = time.perf_counter()
+            out = _generate(model, ids, n)
+            elapsed = time.perf_counter() - start
+            if rep == 0:  # warm-up: compiles every graph this variant needs
+                if n == new_tokens:
+                    variant.outputs = out
+                continue
+            variant.times.setdefault(n, []).append(elapsed)
+    finally:
+        model.forward = original
+    results = {}
+    for v in variants:
+        decode = [(new_tokens - 1) / (t_n - t_1) for t_1, t_n in zip(v.times[1], v.times[new_tokens])]
+        results[v.name] = {"tokens_per_s": statistics.median(decode), "runs": decode,
+                           "prefill_s": statistics.median(v.times[1])}
+    return results
+
+
+def machine_description() -> str:
+    return (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+            f"torch {torch.__version__}, {'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}")
+
+
+def compiled_forward(backend: str, **compile_kwargs) -> Callable:
+    def wrap(forward):
+        return torch.compile(forward, backend=backend, **compile_kwargs)
+
+    return wrap

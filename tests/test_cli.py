@@ -1,0 +1,34 @@
+"""The command line and the demo's helpers, on tiny models (the real demo needs minutes)."""
+import torch
+
+from dejavu_compile.cli import bandwidth_bound, main
+from dejavu_compile.plan import PlanEntry, SparsityPlan, model_fingerprint
+from dejavu_compile.testing.tiny import tiny_model
+
+
+def test_explain_command_prints_the_report(capsys):
+    assert main(["explain", "llama"]) == 0
+    out = capsys.readouterr().out
+    assert "MLP matched in 2, attention matched in 2" in out and "left dense: nothing" in out
+
+
+def test_unknown_command_prints_usage(capsys):
+    assert main(["frobnicate"]) == 2
+    assert "usage: dejavu-compile" in capsys.readouterr().out
+    assert main(["--help"]) == 0
+
+
+def _plan(model, density, rank=4):
+    entries = {(l, "mlp"): PlanEntry(l, "mlp", round(128 * density), 128, A=torch.zeros(64, rank),
+                                     B=torch.zeros(rank, 128), lookahead=True) for l in range(2)}
+    return SparsityPlan(entries, model_fingerprint(model))
+
+
+def test_bandwidth_bound_counts_kept_rows_and_predictors():
+    model = tiny_model("llama")
+    dense = bandwidth_bound(model, _plan(model, 1.0, rank=0))
+    assert abs(dense - 1.0) < 1e-9
+    half, quarter = bandwidth_bound(model, _plan(model, 0.5)), bandwidth_bound(model, _plan(model, 0.25))
+    assert 1.0 < half < quarter
+    # A predictor as large as the neurons it saves earns nothing.
+    assert bandwidth_bound(model, _plan(model, 0.5, rank=96)) < half
