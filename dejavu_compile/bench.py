@@ -34,6 +34,12 @@ def measure_decode(model, ids: torch.Tensor, variants: list[Variant], new_tokens
                    repeats: int = 3, progress: bool = True) -> dict[str, dict]:
     """Tokens/s per variant. The first run of each variant (compilation) is not timed."""
     original = model.forward
+    # Every variant compiles the same forward code: without room for all their graphs Dynamo
+    # would hit its recompile limit and silently run later variants eagerly.
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), 8 * len(variants)))
     for v in variants:
         v.forward = v.wrap(original)
     rounds = [(r, v, n) for r in range(repeats + 1) for v in variants for n in (1, new_tokens)]
