@@ -77,7 +77,11 @@ def demo(argv=None) -> int:
 
     base = speed["Inductor dense"]["tokens_per_s"]
     bound = bandwidth_bound(model, plan)
-    print(f"\nmachine: {machine_description()}")
+    import os
+
+    load = os.getloadavg()[0]
+    print(f"\nmachine: {machine_description()}; load average {load:.1f}"
+          + (" (other work is running: timings are not reliable)" if load > os.cpu_count() + 1 else ""))
     print(f"{'variant':<16}{'tokens/s':>10}{'vs Inductor':>13}")
     for name, row in speed.items():
         print(f"{name:<16}{row['tokens_per_s']:>10.2f}{row['tokens_per_s'] / base:>12.2f}x")

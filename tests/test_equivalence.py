@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 import dejavu_compile
-from dejavu_compile.testing import assert_matches_eager, describe_difference
+from dejavu_compile.testing import assert_matches_eager, describe_difference, greedy_generate
 from dejavu_compile.testing.tiny import ARCHITECTURES, tiny_model
 
 
@@ -15,17 +15,7 @@ def _ids(batch=1, tokens=6, seed=0):
 
 
 def _generate(model, ids, cache, compiled_options=None):
-    kwargs = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False)
-    if cache == "static":
-        kwargs["cache_implementation"] = "static"
-    original = model.forward
-    if compiled_options is not None:
-        model.forward = torch.compile(original, backend="dejavu", options=compiled_options)
-    try:
-        with torch.no_grad():
-            return model.generate(ids, **kwargs)
-    finally:
-        model.forward = original
+    return greedy_generate(model, ids, 16, cache, compiled_options)
 
 
 @pytest.mark.parametrize("inner", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])

@@ -4,7 +4,7 @@ import torch
 
 from dejavu_compile.passes.sparsify import PlanMismatchError, prepare_model
 from dejavu_compile.plan import PlanEntry, SparsityPlan, model_fingerprint
-from dejavu_compile.testing import describe_difference
+from dejavu_compile.testing import describe_difference, greedy_generate
 from dejavu_compile.testing.tiny import ARCHITECTURES, tiny_model
 
 
@@ -39,18 +39,8 @@ def _plan(model, density, *, entry_cls=PlanEntry, lookahead=True, rank=8, seed=0
     return SparsityPlan(entries, model_fingerprint(model))
 
 
-def _generate(model, ids, cache="static", options=None, tokens=12):
-    kwargs = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
-    if cache == "static":
-        kwargs["cache_implementation"] = "static"
-    original = model.forward
-    if options is not None:
-        model.forward = torch.compile(original, backend="dejavu", options=options)
-    try:
-        with torch.no_grad():
-            return model.generate(ids, **kwargs)
-    finally:
-        model.forward = original
+def _generate(model, ids, cache="static", options=None):
+    return greedy_generate(model, ids, 12, cache, options)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -71,6 +71,23 @@ def _is_generate(fn) -> bool:
     return inspect.ismethod(fn) and fn.__name__ == "generate" and isinstance(fn.__self__, torch.nn.Module)
 
 
+def greedy_generate(model, ids, new_tokens: int = 16, cache: str = "dynamic",
+                    dejavu_options: dict | None = None) -> torch.Tensor:
+    """Greedy tokens from ``model.generate``; with ``dejavu_options`` its forward is compiled with
+    the dejavu backend for this call. ``cache`` is "dynamic" (DynamicCache) or "static"."""
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+    original = model.forward
+    if dejavu_options is not None:
+        model.forward = torch.compile(original, backend="dejavu", options=dejavu_options)
+    try:
+        with torch.no_grad():
+            return model.generate(ids, **kwargs)
+    finally:
+        model.forward = original
+
+
 def run_compiled_and_eager(fn, *args, dejavu_options: dict | None = None, **kwargs):
     """(compiled output, eager output) of ``fn(*args, **kwargs)``; ``fn`` is a module or ``model.generate``."""
     options = dict(dejavu_options or {})
