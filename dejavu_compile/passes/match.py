@@ -8,7 +8,7 @@ import torch.fx as fx
 
 from dejavu_compile.blocks import AttentionBlock, Block, MLPBlock, WeightRef
 from dejavu_compile.passes.graph_utils import (
-    LinearCall, find_linears, is_op, layer_index, location, to_networkx,
+    LinearCall, find_linears, is_op, layer_index, to_networkx,
 )
 
 
@@ -99,7 +99,3 @@ def match_blocks(gm: fx.GraphModule, rules=None) -> MatchResult:
             for layer in sorted(result.layers - have):
                 result.fallbacks.append((f"layer {layer}", f"no {kind} block matched in this layer"))
     return result
-
-
-def describe_location(node: fx.Node) -> str:
-    return location(node)

@@ -7,6 +7,7 @@ known activation. A region that matches none stays dense and is reported.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from typing import Callable
@@ -15,7 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from dejavu_compile.blocks import MLPBlock, WeightRef
+from dejavu_compile.blocks import MLPBlock
 from dejavu_compile.passes.graph_utils import (
     LinearCall, common_module, evaluate, example_value, is_elementwise, is_op, is_scalar_value, layer_index,
     location, shape_of,
@@ -59,17 +60,10 @@ def _leaf_rows(node: fx.Node, linears: dict[fx.Node, LinearCall]):
         elif isinstance(spec, int):
             bounds = [(i, min(i + spec, size)) for i in range(0, size, spec)]
         else:
-            edges = [0, *itertools_accumulate(spec)]
+            edges = [0, *itertools.accumulate(int(v) for v in spec)]
             bounds = list(zip(edges[:-1], edges[1:]))
         return lin, bounds[index]
     return None
-
-
-def itertools_accumulate(values):
-    total = 0
-    for v in values:
-        total += int(v)
-        yield total
 
 
 def elementwise_region(hidden: fx.Node, linears: dict[fx.Node, LinearCall]):

@@ -164,8 +164,6 @@ def _erase_unused(graph: fx.Graph, nodes) -> None:
 
 def _mlp_region_nodes(block: MLPBlock) -> list[fx.Node]:
     """Every node the dense block computed: projections, their views, the activation region."""
-    from dejavu_compile.passes.match_mlp import elementwise_region
-
     out = [block.nodes["output"], block.nodes["down"], block.nodes["up"], block.nodes.get("gate")]
     stack = [block.nodes["hidden"]]
     seen = set()
