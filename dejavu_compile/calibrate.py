@@ -46,7 +46,7 @@ def _gated_weights(model, layer: int, blocks=None):
                     w = w[ref.rows[0] : ref.rows[1]]
                 out.append(w)
             return out[0], out[1]
-    from dejavu_compile._collect_hooks import llama_layers
+    from dejavu_compile.quality import llama_layers
 
     mlp = llama_layers(model)[layer].mlp
     return mlp.gate_proj.weight.detach().float(), mlp.up_proj.weight.detach().float()
@@ -183,14 +183,14 @@ def calibrate(
         return build(mlp_density)
 
     # Quality budget: lowest density on a 0.05 grid within the budget on held-back calibration text.
-    from dejavu_compile.quality import perplexity, plan_selector
+    from dejavu_compile.evaluate import perplexity
 
     base = perplexity(model, holdout)
     best = SparsityPlan.dense(model, {"method": "dense", "max_ppl_increase": max_ppl_increase})
     best.fingerprint = fingerprint
     for density in [round(1.0 - 0.05 * i, 2) for i in range(1, 15)]:
         plan = build(density)
-        inc = perplexity(model, holdout, plan_selector(plan)) / base - 1.0
+        inc = perplexity(model, holdout, plan) / base - 1.0
         if progress:
             print(f"density {density:.2f}: calibration-holdout perplexity {inc:+.2%}")
         if inc > max_ppl_increase:

@@ -51,18 +51,24 @@ def _record_abs(layer: int, name: str, value: torch.Tensor) -> None:
     _ACTIVE[-1].keep((layer, name), value.abs())
 
 
+def head_contributions(o_input: torch.Tensor, o_weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """(N, H*D) output-projection input and its (d, H*D) weight -> (N, H) norm of each head's
+    contribution to the block output."""
+    heads = o_input.reshape(-1, num_heads, o_input.shape[-1] // num_heads).float()
+    weight = o_weight.float().reshape(o_weight.shape[0], num_heads, -1)
+    return torch.einsum("nhj,dhj->nhd", heads, weight).norm(dim=-1)
+
+
 def _record_heads(layer: int, o_input: torch.Tensor, o_weight: torch.Tensor, num_heads: int,
                   layout: str) -> None:
     """Norm of each head's contribution to the output projection, per token."""
-    heads = o_input.reshape(-1, num_heads, o_input.shape[-1] // num_heads).float()
-    weight = o_weight.float() if layout == "out_in" else o_weight.float().t()  # (d, H*D)
-    weight = weight.reshape(weight.shape[0], num_heads, -1)
+    flat = o_input.reshape(-1, o_input.shape[-1])
     recorder = _ACTIVE[-1]
     if recorder.rows is not None:
-        heads = heads[recorder.rows]
+        flat = flat[recorder.rows]
         recorder = _Passthrough(recorder)
-    norms = torch.einsum("nhj,dhj->nhd", heads, weight).norm(dim=-1)
-    recorder.keep((layer, "attn_importance"), norms)
+    weight = o_weight if layout == "out_in" else o_weight.t()  # (d, H*D)
+    recorder.keep((layer, "attn_importance"), head_contributions(flat, weight, num_heads))
 
 
 class _Passthrough:

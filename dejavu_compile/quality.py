@@ -22,21 +22,20 @@ from typing import Callable, Iterable
 import torch
 
 from dejavu_compile.predictors import cats_scores, teal_input_mask, topk_mask
+from dejavu_compile.collect import head_contributions
 
 SIM_LABEL = "masked dense simulation"
 Selector = Callable[..., torch.Tensor | None]
 
 
-def _llama_layers(model):
-    from dejavu_compile._collect_hooks import llama_layers
-
-    return llama_layers(model)
-
-
-def _head_norms(z: torch.Tensor, o_weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    from dejavu_compile._collect_hooks import head_contributions
-
-    return head_contributions(z, o_weight, num_heads)
+def llama_layers(model) -> list:
+    """The decoder layers of a LLaMA-style HF model (the hook-based simulation needs its names)."""
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not hasattr(layers[0], "mlp") or not hasattr(layers[0].mlp, "down_proj"):
+        raise ValueError("the hook-based simulation supports LLaMA-architecture models only "
+                         "(model.model.layers[i].mlp.down_proj)")
+    return list(layers)
 
 
 def _as_mask(sel: torch.Tensor, total: int, dtype) -> torch.Tensor:
@@ -58,7 +57,7 @@ class MaskedSimulation:
     def __enter__(self):
         if self.selector is None:
             return self
-        layers = _llama_layers(self.model)
+        layers = llama_layers(self.model)
         heads = self.model.config.num_attention_heads
         acts: dict = {}
         input_mode = getattr(self.selector, "target", "neurons") == "input"
@@ -98,7 +97,7 @@ class MaskedSimulation:
                 x = acts[("attn", i)].reshape(flat.shape[0], -1)
                 prev = acts.get(("mlp", i - 1)) if i > 0 else None
                 look = prev.reshape(flat.shape[0], -1) if prev is not None else x
-                s = sel(i, "attention", x, look, importance=_head_norms(flat, m.weight, heads))
+                s = sel(i, "attention", x, look, importance=head_contributions(flat, m.weight, heads))
                 if s is None:
                     return None
                 hm = _as_mask(s, heads, flat.dtype)
@@ -158,7 +157,7 @@ def oracle_selector(mlp_density: float = 0.5, attn_density: float = 1.0) -> Sele
 
 def cats_selector(model, mlp_density: float = 0.5) -> Selector:
     """CATS-style: top-k by |act(gate(x))| (needs the full gate GEMV). MLP only."""
-    layers = _llama_layers(model)
+    layers = llama_layers(model)
 
     def sel(layer, kind, x, look, *, importance):
         if kind != "mlp" or mlp_density >= 1.0:

@@ -1,4 +1,5 @@
 """Block matching on traced decoders: every layer found, every weight given its role, or reported."""
+import contextlib
 import warnings
 
 import pytest
@@ -177,6 +178,16 @@ class TinySquaredReLUModel(nn.Module):
         return x
 
 
+@contextlib.contextmanager
+def registered(rule):
+    """``rule`` in the registry for the duration of the block."""
+    dejavu_compile.register_rule(rule)
+    try:
+        yield rule
+    finally:
+        dejavu_compile.unregister_rule(rule.name)
+
+
 def test_user_rule_teaches_a_custom_mlp():
     model = TinySquaredReLUModel().eval()
     x = torch.randn(1, 3, 32)
@@ -184,14 +195,10 @@ def test_user_rule_teaches_a_custom_mlp():
     assert before.mlp_matched == 0
     assert any("not act(up)" in why for _, why in before.fallbacks), before.fallbacks
 
-    rule = MLPRule("squared_relu", {"relu2": lambda t: torch.relu(t) ** 2})
-    dejavu_compile.register_rule(rule)
-    try:
+    with registered(MLPRule("squared_relu", {"relu2": lambda t: torch.relu(t) ** 2})) as rule:
         assert dejavu_compile.registered_rules()[0] is rule  # user rules run before the built-ins
         torch._dynamo.reset()
         after = dejavu_compile.explain(model, x)
-    finally:
-        dejavu_compile.unregister_rule("squared_relu")
     assert after.mlp_matched == 2
     assert {(b.rule, b.activation, b.up.name) for b in after.blocks} == {
         ("squared_relu", "relu2", f"layers.{i}.up.weight") for i in range(2)}
@@ -200,12 +207,8 @@ def test_user_rule_teaches_a_custom_mlp():
 
 def test_user_rule_takes_precedence_over_builtin():
     model = tiny_model("llama", layers=1)
-    rule = MLPRule("my_silu", {"silu": F.silu})
-    dejavu_compile.register_rule(rule)
-    try:
+    with registered(MLPRule("my_silu", {"silu": F.silu})):
         report = dejavu_compile.explain(model, _ids())
-    finally:
-        dejavu_compile.unregister_rule("my_silu")
     assert {b.rule for b in report.blocks if b.kind == "mlp"} == {"my_silu"}
     with pytest.raises(ValueError, match="already registered"):
         dejavu_compile.register_rule(MLPRule())  # the built-in "mlp" rule exists

@@ -20,14 +20,12 @@ import operator
 import torch
 import torch.fx as fx
 
-import dejavu_compile.kernels  # noqa: F401  (registers the dejavu:: ops)
+from dejavu_compile.kernels import ACTIVATIONS as KERNEL_ACTIVATIONS  # also registers the dejavu:: ops
 from dejavu_compile.backend import DejavuOptionError
 from dejavu_compile.blocks import MLPBlock, WeightRef
 from dejavu_compile.passes.graph_utils import shape_of
 
 log = logging.getLogger("dejavu_compile")
-
-KERNEL_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 
 
 class PlanMismatchError(DejavuOptionError):
