@@ -2,6 +2,7 @@
 
     python benchmarks/decode.py                 # SmolLM2-135M sweep + synthetic LLaMA-1B-shaped layers
     python benchmarks/decode.py --quick         # fewer densities and tokens
+    python benchmarks/decode.py --device cuda --skip-smollm2 --synthetic-shape 7b --mode reduce-overhead
 
 Speed: tokens/s of the decode phase (static cache, batch 1), variants interleaved in one process on
 the same prompt, medians over repeats. Quality: held-out Wikipedia perplexity of the same plan
@@ -11,6 +12,7 @@ Writes benchmarks/results/decode.json and decode.png (speedup vs perplexity incr
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import sys
@@ -79,30 +81,46 @@ def run_smollm2(args, report):
               f"{r['ppl_increase']:>+8.1%}")
 
 
+SYNTHETIC_SHAPES = {  # LLaMA-3.2-1B-like and LLaMA-7B-like layers
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8),
+    "7b": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32),
+}
+
+
 def run_synthetic(args, report):
-    """LLaMA-1B-shaped layers with random weights: how the gain scales with model width."""
+    """LLaMA-shaped layers with random weights: how the gain scales with model width (and on GPU)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from dejavu_compile import dejavu_backend
     from dejavu_compile.bench import Variant, compiled_forward, measure_decode
     from dejavu_compile.passes.sparsify import prepare_model
 
-    config = AutoConfig.for_model("llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=args.synthetic_layers,
-                                  num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
-                                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    shape = SYNTHETIC_SHAPES[args.synthetic_shape]
+    config = AutoConfig.for_model("llama", num_hidden_layers=args.synthetic_layers, vocab_size=32000,
+                                  bos_token_id=1, eos_token_id=2, pad_token_id=0, **shape)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_config(config).eval().to(args.device, dtype)
     prepare_model(model)
-    ids = torch.randint(3, 32000, (1, 8))
+    ids = torch.randint(3, 32000, (1, 8), device=args.device)
     densities = (0.5, 0.25)
-    variants = [Variant("Inductor dense", compiled_forward("inductor"))]
-    variants += [Variant(f"dejavu {d:.2f}", compiled_forward("dejavu", options={"plan": synthetic_plan(model, d, 64)}))
-                 for d in densities]
+    kwargs = {"mode": args.mode} if args.mode else {}
+
+    def dejavu(density):  # torch.compile refuses mode with options: give both to the backend
+        backend = functools.partial(dejavu_backend, mode=args.mode, options={"plan": synthetic_plan(model, density, 64)})
+        return Variant(f"dejavu {density:.2f}", compiled_forward(backend))
+
+    variants = [Variant("HF eager", lambda f: f), Variant("Inductor dense", compiled_forward("inductor", **kwargs))]
+    variants += [dejavu(d) for d in densities]
     speed = measure_decode(model, ids, variants, new_tokens=args.new_tokens // 2, repeats=args.repeats)
     base = speed["Inductor dense"]["tokens_per_s"]
     rows = [{"variant": n, "tokens_per_s": r["tokens_per_s"], "speedup_vs_inductor": r["tokens_per_s"] / base}
             for n, r in speed.items()]
-    report["synthetic_llama1b_layers"] = {"layers": args.synthetic_layers, "hidden": 2048, "intermediate": 8192, "rows": rows}
-    print(f"\nLLaMA-1B-shaped, {args.synthetic_layers} layers, random weights (speed only)")
+    key = f"synthetic_llama{args.synthetic_shape}_layers" + ("" if args.device == "cpu" else f"_{args.device}")
+    report[key] = {"layers": args.synthetic_layers, **shape, "device": args.device, "dtype": args.dtype,
+                   "mode": args.mode, "predictor_rank": 64, "rows": rows}
+    print(f"\nLLaMA-{args.synthetic_shape}-shaped, {args.synthetic_layers} layers, random weights and predictors "
+          f"(speed only), {args.device} {args.dtype}, mode={args.mode}")
     for r in rows:
         print(f"{r['variant']:<16}{r['tokens_per_s']:>10.2f} tokens/s{r['speedup_vs_inductor']:>8.2f}x")
 
@@ -140,6 +158,12 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--synthetic-layers", type=int, default=4)
     ap.add_argument("--skip-synthetic", action="store_true")
+    ap.add_argument("--skip-smollm2", action="store_true", help="synthetic shapes only (e.g. on a GPU machine)")
+    ap.add_argument("--synthetic-shape", choices=list(SYNTHETIC_SHAPES), default="1b")
+    ap.add_argument("--device", default="cpu", help="device of the synthetic model (SmolLM2 runs on CPU)")
+    ap.add_argument("--dtype", default="float32", help="dtype of the synthetic model")
+    ap.add_argument("--mode", default=None, help="torch.compile mode for the synthetic run (reduce-overhead: CUDA graphs)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode.json)")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:
@@ -148,13 +172,15 @@ def main(argv=None) -> int:
     from dejavu_compile.bench import machine_description
 
     report = {"machine": machine_description(), "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d")}
-    run_smollm2(args, report)
+    if not args.skip_smollm2:
+        run_smollm2(args, report)
     if not args.skip_synthetic:
         run_synthetic(args, report)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "decode.json").write_text(json.dumps(report, indent=2))
-    plot(report, RESULTS / "decode.png")
-    print(f"\nmachine: {report['machine']}\nwrote {RESULTS / 'decode.json'} and decode.png")
+    out = pathlib.Path(args.out) if args.out else RESULTS / "decode.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    plot(report, out.with_suffix(".png"))
+    print(f"\nmachine: {report['machine']}\nwrote {out}")
     return 0
 
 

@@ -4,8 +4,10 @@
 
 CPU: fp32, dense = the torch ops a decoder runs (MLP: three F.linear; attention: q F.linear,
 RoPE, SDPA over the cache, o F.linear), sparse = the dejavu ops. CUDA (auto-detected): fp16, dense
-on cuBLAS, sparse = the Triton kernels. Efficiency 1.0 means the sparse op reaches the bandwidth
-limit (time scales with the bytes it reads). K/V projections are dense in both and left out.
+on cuBLAS, sparse = the Triton kernels (autotuned), both timed as CUDA-graph replays (kernel time,
+no launch overhead). Efficiency 1.0 means the sparse op reaches the bandwidth limit (time scales
+with the bytes it reads). K/V projections are dense in both and left out. Each sparse MLP row also
+reports its error against a masked dense fp32 reference.
 
 Caches: decode reads every layer's weights once per token, so nothing stays cached between two
 calls on the same layer. The script cycles through enough copies of the layer weights to exceed the
@@ -60,8 +62,36 @@ def n_copies(layer_bytes):
     return max(2, -(-CACHE_BYTES // layer_bytes))
 
 
+GRAPH_CALLS = 16  # CUDA: at least this many calls (and every weight copy) in one timed graph replay
+
+
+def graphed(fn, calls):
+    """A CUDA graph of fn(0..calls-1): replaying it times the kernels alone, without Python and
+    launch overhead (what a decode step under CUDA graphs pays). Warm-up first: autotuning runs
+    there, never inside the capture."""
+    for j in range(2):
+        fn(j)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for j in range(calls):
+            fn(j)
+    return graph
+
+
 def interleaved(timer, dense, sparse, reps, copies):
-    """Alternate dense and sparse calls, each on the next weight copy; all timings (s) of each."""
+    """Alternate dense and sparse calls, each on the next weight copy; all timings (s) of each.
+    On CUDA each timing is one graph replay of GRAPH_CALLS calls over the copies, per call."""
+    if timer.cuda:
+        calls = copies * max(1, GRAPH_CALLS // copies)
+        gd, gs = graphed(lambda j: dense(j % copies), calls), graphed(lambda j: sparse((j + copies // 2) % copies), calls)
+        td, ts = [], []
+        for i in range(reps + 2):
+            d, s = timer(gd.replay) / calls, timer(gs.replay) / calls
+            if i >= 2:
+                td.append(d)
+                ts.append(s)
+        return td, ts
     td, ts = [], []
     for i in range(reps + 2):
         d = timer(lambda: dense(i % copies))
@@ -107,10 +137,24 @@ def bench_mlp(shape, dtype, device, reps, densities, timer):
             return sparse_gated_mlp(x, p["w_gate"], p["w_up"], p["w_down_t"], pool[calls[0] % POOL], "silu")
 
         row = summarize("gated_mlp", k, ff, *interleaved(timer, dense, sparse, reps, len(layers)))
+        row["rel_err"] = mlp_error(x, layers[0], pool[0], sparse_gated_mlp)
         row.update(dense_GBps=layer_bytes / row["dense_ms"] / 1e6,
                    sparse_GBps=layer_bytes * k / ff / row["sparse_ms"] / 1e6)
         rows.append(row)
     return rows
+
+
+def mlp_error(x, p, idx, op):
+    """max |sparse - masked dense| / max |masked dense|, reference in fp32: a wrong kernel is never
+    reported as a fast one."""
+    w = {n: t.float() for n, t in p["dense"].items()}
+    xf = x.float()
+    h = F.silu(xf @ w["w_gate"].T) * (xf @ w["w_up"].T)
+    mask = torch.zeros_like(h)
+    mask[:, idx] = 1.0
+    ref = (h * mask) @ w["w_down"].T
+    out = op(x, p["w_gate"], p["w_up"], p["w_down_t"], idx, "silu").float()
+    return ((out - ref).abs().max() / ref.abs().max()).item()
 
 
 def rope(q, cos, sin):
@@ -220,11 +264,12 @@ def main(argv=None):
         result["shapes"][name] = dict(shape=shape, rows=rows, bounds=bounds)
         print(f"\n## {name} {shape}")
         print(f"{'op':<15}{'density':>8}{'dense ms':>10}{'sparse ms':>11}{'speedup':>9}{'effic.':>8}"
-              f"{'| min: dense':>13}{'sparse':>9}{'effic.':>8}")
+              f"{'| min: dense':>13}{'sparse':>9}{'effic.':>8}{'rel.err':>9}")
         for r in rows:
             print(f"{r['op']:<15}{r['density']:>8.3f}{r['dense_ms']:>10.3f}{r['sparse_ms']:>11.3f}"
                   f"{r['speedup']:>9.2f}{r['efficiency']:>8.2f}{r['dense_min_ms']:>13.3f}"
-                  f"{r['sparse_min_ms']:>9.3f}{r['efficiency_of_min']:>8.2f}")
+                  f"{r['sparse_min_ms']:>9.3f}{r['efficiency_of_min']:>8.2f}"
+                  + (f"{r['rel_err']:>9.1e}" if "rel_err" in r else ""))
         for key, val in bounds.items():
             print(f"  {key}: {val:.1f}")
     path = args.out or os.path.join(os.path.dirname(__file__), "results", f"kernels-{device.type}-t{torch.get_num_threads()}.json")

@@ -1,16 +1,20 @@
 import os
 import pathlib
 
-# Triton kernels run on CPU tensors only in interpreter mode, which must be chosen before any
-# kernel module is imported.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+# Without a GPU, Triton kernels run on CPU tensors only in interpreter mode, which must be chosen
+# before any kernel module is imported. With one, they run compiled, with fixed launch configs
+# (autotuning every Hypothesis shape would take minutes; tests/test_gpu.py covers autotune).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("DEJAVU_TRITON_AUTOTUNE", "0")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
                       str(pathlib.Path(__file__).resolve().parent.parent / ".cache" / "inductor"))
 
 import pytest  # noqa: E402
 
 pytest_plugins = ["dejavu_compile.testing.pytest_plugin"]
-import torch  # noqa: E402
 
 # Two cores under load: multi-threaded small matmuls can stall.
 torch.set_num_threads(1)

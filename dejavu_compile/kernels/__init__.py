@@ -1,8 +1,8 @@
 """Sparse kernels for Deja Vu decoding, registered as ``torch.library`` ops in namespace ``dejavu``.
 
 Ops (each with a fake kernel; CPU runs the torch path, CUDA runs Triton):
-- ``sparse_gated_mlp(x, w_gate, w_up, w_down_t, idx, activation, b_gate=None, b_up=None, b_down=None)``
-- ``sparse_mlp(x, w_up, b_up, w_down_t, b_down, idx, activation)``
+- ``sparse_gated_mlp(x, w_gate, w_up, w_down_t, idx, activation, b_gate=None, b_up=None, b_down=None, check_idx=True)``
+- ``sparse_mlp(x, w_up, b_up, w_down_t, b_down, idx, activation, check_idx=True)``
 - ``sparse_head_attention(x, w_q, b_q, k_cache, v_cache, w_o_t, b_o, head_idx, cos, sin,
   valid_len, attn_mask, scale, rotary_dim)`` (see ``attention.py``)
 
@@ -14,8 +14,9 @@ read at its import).
 Notes for callers: inference only (no autograd formula). ``w_down_t``/``w_o_t`` should be
 contiguous (F, d) (embedding_bag would copy a strided one on every call). Per-row indices (B, k) are
 meant for decode batches (B <= 8); the CPU path loops over rows, so prefill should stay dense. The
-idx range check syncs with the device; set ``dejavu_compile.kernels._common.CHECK_INDICES = False``
-to skip it (e.g. for CUDA graphs).
+idx range check syncs with the device: pass ``check_idx=False`` when the ids are valid by
+construction (the backend does; required inside CUDA graphs), or set
+``dejavu_compile.kernels._common.CHECK_INDICES = False`` to skip it everywhere.
 """
 from ._common import ACTIVATIONS
 from .attention import sparse_head_attention, sparse_head_attention_torch

@@ -177,50 +177,60 @@ def sparse_mlp_torch(x, w_up, b_up, w_down_t, b_down, idx, activation, *,
 @torch.library.custom_op("dejavu::sparse_gated_mlp", mutates_args=())
 def sparse_gated_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, idx: Tensor,
                      activation: str, b_gate: Optional[Tensor] = None, b_up: Optional[Tensor] = None,
-                     b_down: Optional[Tensor] = None) -> Tensor:
+                     b_down: Optional[Tensor] = None, check_idx: bool = True) -> Tensor:
     """y = sum over j in idx of act(w_gate[j].x + b_gate[j]) * (w_up[j].x + b_up[j]) * w_down_t[j] + b_down.
 
     x (B, d); w_gate, w_up (F, d); w_down_t (F, d_out); idx int64 (k,) shared or (B, k) per row;
     activation in {"silu", "gelu", "gelu_tanh", "relu"}; biases optional. Returns (B, d_out).
+    check_idx=False skips the idx range check, which reads idx (a device sync on CUDA, impossible
+    inside a CUDA-graph capture); the backend passes False because its idx come from topk.
     """
-    return sparse_gated_mlp_torch(x, w_gate, w_up, w_down_t, idx, activation, b_gate, b_up, b_down)
+    _check(x, w_gate, w_up, w_down_t, idx, activation, b_gate, b_up, b_down, "w_gate", "w_up")
+    if check_idx:
+        C.check_idx_range("idx", idx, w_gate.shape[0])
+    return _mlp_torch(x, w_gate, w_up, w_down_t, idx, activation, b_gate, b_up, b_down)
 
 
 @sparse_gated_mlp.register_kernel("cuda")
-def _(x, w_gate, w_up, w_down_t, idx, activation, b_gate=None, b_up=None, b_down=None):
+def _(x, w_gate, w_up, w_down_t, idx, activation, b_gate=None, b_up=None, b_down=None, check_idx=True):
     _check(x, w_gate, w_up, w_down_t, idx, activation, b_gate, b_up, b_down, "w_gate", "w_up")
-    C.check_idx_range("idx", idx, w_gate.shape[0])
+    if check_idx:
+        C.check_idx_range("idx", idx, w_gate.shape[0])
     from . import triton_mlp
     return triton_mlp.sparse_gated_mlp_triton(x, w_gate, w_up, w_down_t, idx, activation,
                                               b_gate, b_up, b_down, check=False)
 
 
 @sparse_gated_mlp.register_fake
-def _(x, w_gate, w_up, w_down_t, idx, activation, b_gate=None, b_up=None, b_down=None):
+def _(x, w_gate, w_up, w_down_t, idx, activation, b_gate=None, b_up=None, b_down=None, check_idx=True):
     _check(x, w_gate, w_up, w_down_t, idx, activation, b_gate, b_up, b_down, "w_gate", "w_up")
     return x.new_empty(x.shape[0], w_down_t.shape[1])
 
 
 @torch.library.custom_op("dejavu::sparse_mlp", mutates_args=())
 def sparse_mlp(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_down_t: Tensor,
-               b_down: Optional[Tensor], idx: Tensor, activation: str) -> Tensor:
+               b_down: Optional[Tensor], idx: Tensor, activation: str, check_idx: bool = True) -> Tensor:
     """y = sum over j in idx of act(w_up[j].x + b_up[j]) * w_down_t[j] + b_down (OPT, GPT-2).
 
     x (B, d); w_up (F, d); w_down_t (F, d_out); b_up (F,) / b_down (d_out,) or None;
-    idx int64 (k,) or (B, k). Returns (B, d_out).
+    idx int64 (k,) or (B, k); check_idx as in ``sparse_gated_mlp``. Returns (B, d_out).
     """
-    return sparse_mlp_torch(x, w_up, b_up, w_down_t, b_down, idx, activation)
+    _check(x, w_up, None, w_down_t, idx, activation, b_up, None, b_down, "w_up", None)
+    if check_idx:
+        C.check_idx_range("idx", idx, w_up.shape[0])
+    return _mlp_torch(x, w_up, None, w_down_t, idx, activation, b_up, None, b_down)
 
 
 @sparse_mlp.register_kernel("cuda")
-def _(x, w_up, b_up, w_down_t, b_down, idx, activation):
+def _(x, w_up, b_up, w_down_t, b_down, idx, activation, check_idx=True):
     _check(x, w_up, None, w_down_t, idx, activation, b_up, None, b_down, "w_up", None)
-    C.check_idx_range("idx", idx, w_up.shape[0])
+    if check_idx:
+        C.check_idx_range("idx", idx, w_up.shape[0])
     from . import triton_mlp
     return triton_mlp.sparse_mlp_triton(x, w_up, b_up, w_down_t, b_down, idx, activation, check=False)
 
 
 @sparse_mlp.register_fake
-def _(x, w_up, b_up, w_down_t, b_down, idx, activation):
+def _(x, w_up, b_up, w_down_t, b_down, idx, activation, check_idx=True):
     _check(x, w_up, None, w_down_t, idx, activation, b_up, None, b_down, "w_up", None)
     return x.new_empty(x.shape[0], w_down_t.shape[1])

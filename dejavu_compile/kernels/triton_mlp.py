@@ -11,7 +11,8 @@ Two kernels serve the MLP ops and the head-sparse attention projections:
 
 Weights are loaded in their dtype (fp16/bf16/fp32) and cast to fp32 for the math; results are cast
 back on store (bf16 math is also wrong in the interpreter). Block sizes: autotuned per (k, d) on
-CUDA; fixed, large configs elsewhere (autotune and do_bench need a GPU).
+CUDA; fixed, large configs elsewhere (autotune and do_bench need a GPU) or with
+``DEJAVU_TRITON_AUTOTUNE=0``.
 
 Interpret mode: triton reads ``TRITON_INTERPRET`` when ``@triton.jit`` runs, i.e. when this module
 is imported. Tests must set it before the first import of this module in the process.
@@ -119,6 +120,11 @@ def _autotuned(name: str):
     return _AUTOTUNED[name]
 
 
+def _autotune_on(x: Tensor) -> bool:
+    """Autotune on CUDA unless DEJAVU_TRITON_AUTOTUNE=0 (tests: one fixed config per shape)."""
+    return x.is_cuda and os.environ.get("DEJAVU_TRITON_AUTOTUNE", "1") != "0"
+
+
 def _split_for(nb: int, k: int, n: int, device: torch.device) -> int:
     """Split-K factor: enough programs to fill the GPU (~4 per SM) with >= 64 rows per split."""
     if device.type != "cuda":
@@ -155,7 +161,7 @@ def gather_gemv(x: Tensor, w_a: Tensor, w_b: Optional[Tensor], b_a: Optional[Ten
             b_b if b_b is not None else w_a, rows, out, k, d, x.stride(0), w_a.stride(0),
             (w_b if gated else w_a).stride(0), rows.stride(0), out.stride(0))
     flags = dict(ACT=_ACT_CODE[activation], GATED=gated, HAS_BA=b_a is not None, HAS_BB=b_b is not None)
-    if x.is_cuda:
+    if _autotune_on(x):
         _autotuned("gemv")[lambda meta: (nb, triton.cdiv(k, meta["BLOCK_K"]))](*args, **flags)
     else:
         bk = min(64, triton.next_power_of_2(k))
@@ -172,7 +178,7 @@ def gather_rows_sum(h: Tensor, rows: Tensor, w: Tensor, bias: Optional[Tensor], 
     split = _split_for(nb, k, n, h.device)
     part = C.empty(split, nb, n, dtype=torch.float32, device=h.device)
     args = (h, rows, w, part, k, n, h.stride(0), rows.stride(0), w.stride(0), part.stride(0), part.stride(1))
-    if h.is_cuda:
+    if _autotune_on(h):
         _autotuned("rows_sum")[lambda meta: (nb, triton.cdiv(n, meta["BLOCK_N"]), split)](*args, SPLIT=split)
     else:
         bn = min(256, triton.next_power_of_2(n))

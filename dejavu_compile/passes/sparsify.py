@@ -336,10 +336,10 @@ def _rewrite_mlp(gm, graph, block: MLPBlock, entry, ordered, values, report, opt
             out = _emit_decomposed(graph, block, x2d, idx, w_gate, b_gate, w_up, b_up, w_down_t, b_down)
         elif block.gated:
             out = graph.call_function(torch.ops.dejavu.sparse_gated_mlp.default,
-                                      (x2d, w_gate, w_up, w_down_t, idx, block.activation, b_gate, b_up, b_down))
+                                      (x2d, w_gate, w_up, w_down_t, idx, block.activation, b_gate, b_up, b_down, False))
         else:
             out = graph.call_function(torch.ops.dejavu.sparse_mlp.default,
-                                      (x2d, w_up, b_up, w_down_t, b_down, idx, block.activation))
+                                      (x2d, w_up, b_up, w_down_t, b_down, idx, block.activation, False))
         out.meta["dejavu"] = {"role": "sparse_mlp", "layer": block.layer, "k": entry.k}
         size = graph.call_method("size", (x,))
         lead = graph.call_function(operator.getitem, (size, slice(None, -1)))
