@@ -74,8 +74,16 @@ def machine_description() -> str:
             f"torch {torch.__version__}, {'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}")
 
 
-def compiled_forward(backend: str, **compile_kwargs) -> Callable:
+def compiled_forward(backend, **compile_kwargs) -> Callable:
     def wrap(forward):
-        return torch.compile(forward, backend=backend, **compile_kwargs)
+        compiled = torch.compile(forward, backend=backend, **compile_kwargs)
+
+        def step(*args, **kwargs):
+            # Each call is a new decode step: CUDA-graph trees may reuse the last step's output
+            # memory (generate() keeps no reference to it past the step). No-op without CUDA graphs.
+            torch.compiler.cudagraph_mark_step_begin()
+            return compiled(*args, **kwargs)
+
+        return step
 
     return wrap

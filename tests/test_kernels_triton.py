@@ -24,11 +24,10 @@ from dejavu_compile.kernels import ACTIVATIONS, prepare_gated_mlp_weights  # noq
 from dejavu_compile.kernels import triton_mlp  # noqa: E402
 from dejavu_compile.kernels.attention import sparse_head_attention_triton  # noqa: E402
 
-import triton  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-INTERPRETED = isinstance(triton_mlp._gather_gemv, triton.runtime.interpreter.InterpretedFunction)
+INTERPRETED = triton_mlp.interpreted()
 pytestmark = pytest.mark.skipif(not CUDA and not INTERPRETED,
                                 reason="triton_mlp was imported before TRITON_INTERPRET=1 was set")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]  # kernels compute in fp32, so bf16 is right interpreted too

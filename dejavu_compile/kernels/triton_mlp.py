@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+import triton.runtime.interpreter  # not imported by `import triton` in every version (3.6: no)
 from torch import Tensor
 
 from . import _common as C
@@ -134,8 +135,13 @@ def _split_for(nb: int, k: int, n: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(4 * sms, tiles), triton.cdiv(k, 64)))
 
 
+def interpreted() -> bool:
+    """Whether the kernels were decorated under TRITON_INTERPRET=1 (they then run on CPU tensors)."""
+    return isinstance(_gather_gemv, triton.runtime.interpreter.InterpretedFunction)
+
+
 def _check_runnable(x: Tensor) -> None:
-    if x.device.type != "cuda" and not isinstance(_gather_gemv, triton.runtime.interpreter.InterpretedFunction):
+    if x.device.type != "cuda" and not interpreted():
         raise RuntimeError("triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set before "
                            "dejavu_compile.kernels.triton_mlp is first imported "
                            f"(TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r})")
