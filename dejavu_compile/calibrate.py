@@ -15,7 +15,8 @@ import torch
 
 from dejavu_compile import budget
 from dejavu_compile.plan import PlanEntry, SparsityPlan, model_fingerprint
-from dejavu_compile.predictors import fit_glu_predictor, glu_scores, mass_captured, mass_curve, recall, train_predictor
+from dejavu_compile.predictors import (fit_glu_predictor, glu_scores, int8_glu_predictor, int8_glu_scores,
+                                       mass_captured, mass_curve, recall, train_predictor)
 
 from dejavu_compile.collect import collect
 
@@ -52,6 +53,12 @@ def _gated_weights(model, layer: int, blocks=None):
     return mlp.gate_proj.weight.detach().float(), mlp.up_proj.weight.detach().float()
 
 
+def _activation(cfg):
+    from dejavu_compile.plan import _ACTS
+
+    return _ACTS.get(str(getattr(cfg, "hidden_act", "silu")), torch.nn.functional.silu)
+
+
 def _split(n: int, frac: float = 0.8, seed: int = 0):
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     cut = int(n * frac)
@@ -70,6 +77,7 @@ def calibrate(
     seq_len: int = DEFAULT_SEQ_LEN,
     min_density: float = 0.125,
     max_ppl_increase: float | None = None,
+    predictor: str = "lowrank",
     progress: bool = True,
     seed: int = 0,
     samples=None,
@@ -80,6 +88,8 @@ def calibrate(
     texts: list of strings, a single string, or None for the bundled Wikipedia calibration split.
     mlp_density / attn_density: target average fraction of MLP neurons / query heads kept.
     lookahead: predictors read the previous block's input (can run beside it).
+    predictor: "lowrank" (Deja Vu-style, rank `rank`, with lookahead) or "int8" (the block's own
+        gate/up weights in int8: near-oracle selection, reads the block's own input, no lookahead).
     max_ppl_increase: instead of `mlp_density`, the lowest density (grid of 0.05) whose perplexity
         increase on held-back calibration text stays within this relative budget (e.g. 0.03).
     samples: precomputed `collect` output (skips collection; for experiments and tests).
@@ -90,6 +100,10 @@ def calibrate(
 
     from dejavu_compile.data import tokenize_chunks
 
+    if predictor not in ("lowrank", "int8"):
+        raise ValueError(f"predictor must be 'lowrank' or 'int8', got {predictor!r}")
+    if predictor == "int8":
+        lookahead = False  # it is the block's own projection: it needs the block's own input
     torch.manual_seed(seed)
     t0 = time.time()
     if texts is None:
@@ -125,9 +139,13 @@ def calibrate(
         # MLP: closed-form low-rank gated predictor; lookahead input = this layer's attention input.
         x_in = s.attn_input if lookahead else s.mlp_input
         gate_w, up_w = _gated_weights(model, l, blocks)
-        t = fit_glu_predictor(x_in[fit_idx], s.mlp_input[fit_idx], gate_w, up_w, r)
+        if predictor == "int8":
+            t = int8_glu_predictor(gate_w, up_w)
+            sc = int8_glu_scores(x_in[val_idx], t, _activation(cfg))
+        else:
+            t = fit_glu_predictor(x_in[fit_idx], s.mlp_input[fit_idx], gate_w, up_w, r)
+            sc = glu_scores(x_in[val_idx], t, _activation(cfg))
         preds[(l, "mlp")] = t
-        sc = glu_scores(x_in[val_idx], t)
         val_scores[l] = sc
         imp = s.mlp_importance[val_idx]
         curves["mlp"][l] = {k: 1.0 - m for k, m in mass_curve(sc, imp, grid_mlp).items()}
@@ -158,7 +176,8 @@ def calibrate(
             if k >= F_:
                 entries[(l, "mlp")] = PlanEntry(l, "mlp", F_, F_, nonlinearity="dense", stats=stats)
             else:
-                entries[(l, "mlp")] = PlanEntry(l, "mlp", k, F_, t["A"], t["B"], t["a"], None, "glu",
+                entries[(l, "mlp")] = PlanEntry(l, "mlp", k, F_, t["A"], t.get("B"), t["a"], None,
+                                                "glu_int8" if predictor == "int8" else "glu",
                                                 str(getattr(cfg, "hidden_act", "silu")), lookahead, stats=stats)
             ka = katt[l]
             if ka >= H:
@@ -168,7 +187,8 @@ def calibrate(
                 entries[(l, "attention")] = PlanEntry(l, "attention", ka, H, ta["A"], ta["B"], ta.get("a"), ta.get("b"),
                                                       "none", lookahead=lookahead and l > 0)
         settings = {
-            "method": "dejavu-glu-lowrank", "target_mlp_density": density, "attn_density": attn_density,
+            "method": "dejavu-glu-int8" if predictor == "int8" else "dejavu-glu-lowrank", "predictor": predictor,
+            "target_mlp_density": density, "attn_density": attn_density,
             "lookahead": lookahead, "rank": r, "max_tokens": max_tokens, "seq_len": seq_len,
             "tokens_collected": n, "min_density": min_density, "seed": seed,
             "max_ppl_increase": max_ppl_increase, "collect_s": round(t_collect, 1),

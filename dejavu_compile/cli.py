@@ -106,14 +106,18 @@ def bandwidth_bound(model, plan) -> float:
     report = explain(model, torch.tensor([[1, 2]]))
     torch._dynamo.reset()
     params = dict(model.named_parameters())
-    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    nbytes = lambda p: p.numel() * p.element_size()
+    total = sum(nbytes(p) for p in {id(p): p for p in model.parameters()}.values())
     saved = 0.0
     for block in report.blocks:
         entry = plan.entries.get((block.layer, block.kind))
         if block.kind != "mlp" or entry is None or entry.dense:
             continue
-        mlp = sum(params[ref.name].numel() for ref in block.weights.values() if ref.name in params)
-        saved += mlp * (1.0 - entry.k / entry.total) - entry.predictor_params()
+        mlp = sum(nbytes(params[ref.name]) for ref in block.weights.values() if ref.name in params)
+        # predictor weights are read in the model's dtype, except int8 ones
+        pred = (entry.predictor_bytes() if entry.nonlinearity == "glu_int8"
+                else entry.predictor_params() * next(iter(params.values())).element_size())
+        saved += mlp * (1.0 - entry.k / entry.total) - pred
     return total / (total - saved)
 
 

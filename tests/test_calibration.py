@@ -158,3 +158,29 @@ def test_budget_allocation_prefers_cheap_layers():
     assert budget.allocate(curves, totals, 1.0) == {0: 100, 1: 100}
     with pytest.raises(ValueError):
         budget.allocate(curves, totals, 0.0)
+
+
+def test_int8_predictor_selects_nearly_the_oracle_set():
+    """The int8 copy of gate/up ranks neurons almost exactly as the true |act(g)*u| does, on a
+    model without any planted structure (where a low-rank predictor is near random)."""
+    model = tiny_llama(planted=False)
+    samples, _ = collect(model, batches(), progress=False)
+    plan = calibrate(model, None, samples=samples, mlp_density=0.5, predictor="int8", progress=False,
+                     min_density=0.25)
+    assert plan.settings["predictor"] == "int8"
+    for l in range(L):
+        e = plan.entry(l, "mlp")
+        assert not e.lookahead  # it is the block's own projection
+        if not e.dense:
+            assert e.nonlinearity == "glu_int8" and e.A.dtype == torch.int8
+            assert e.stats["recall"] > 0.9
+            assert e.predictor_bytes() < 0.2 * 3 * FF * D * 4  # a sixth of the fp32 block (+ scales)
+    lowrank = calibrate(model, None, samples=samples, mlp_density=0.5, rank=4, progress=False, min_density=0.25)
+    sparse = [l for l in range(L) if not lowrank.entry(l, "mlp").dense and not plan.entry(l, "mlp").dense]
+    assert sparse and all(plan.entry(l, "mlp").stats["recall"] > lowrank.entry(l, "mlp").stats["recall"] for l in sparse)
+
+
+def test_unknown_predictor_is_a_clear_error():
+    model = tiny_llama(planted=False)
+    with pytest.raises(ValueError, match="predictor"):
+        calibrate(model, None, samples={}, predictor="int3", progress=False)

@@ -107,3 +107,25 @@ def test_entry_shape_validation(tmp_path):
     plan.save(tmp_path)
     with pytest.raises(ValueError, match="do not fit"):
         SparsityPlan.load(tmp_path)
+
+
+def test_int8_plan_round_trip(tmp_path):
+    from dejavu_compile.collect import collect
+    from dejavu_compile.calibrate import calibrate
+
+    model = tiny_llama(planted=False)
+    samples, _ = collect(model, batches(2, 48), progress=False)
+    plan = calibrate(model, None, samples=samples, mlp_density=0.5, predictor="int8", progress=False)
+    plan.save(tmp_path / "p")
+    back = SparsityPlan.load(tmp_path / "p", model=model)
+    x = torch.randn(5, model.config.hidden_size)
+    for key, e in plan.entries.items():
+        b = back.entries[key]
+        assert b.nonlinearity == e.nonlinearity
+        if b.A is not None:
+            assert b.A.dtype == torch.int8 and torch.equal(b.A, e.A)
+        assert torch.equal(b.select(x), e.select(x))
+    bad = PlanEntry(0, "mlp", 8, FF, torch.zeros(2 * FF, 64), None, torch.ones(2 * FF), None, "glu_int8")
+    with pytest.raises(ValueError, match="int8"):
+        SparsityPlan({(0, "mlp"): bad}, plan.fingerprint).save(tmp_path / "q")
+        SparsityPlan.load(tmp_path / "q")

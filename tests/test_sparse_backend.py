@@ -79,7 +79,7 @@ def test_full_density_logits_within_fp32_tolerance_with_inductor():
 
 def _masked_reference_llama(model, plan, ids):
     """Eager LLaMA with hooks: each MLP keeps the top-k neurons its predictor picks from the
-    attention input of the same layer (the lookahead source)."""
+    attention input of the same layer (the lookahead source) or, without lookahead, its own input."""
     handles, sources = [], {}
     for layer, block in enumerate(model.model.layers):
         entry = plan.entries[(layer, "mlp")]
@@ -94,7 +94,8 @@ def _masked_reference_llama(model, plan, ids):
             mask = torch.zeros_like(flat).scatter(-1, idx, 1.0)
             return ((flat * mask).view_as(hidden),)
 
-        handles.append(block.input_layernorm.register_forward_hook(keep_source))
+        source = block.input_layernorm if entry.lookahead else block.post_attention_layernorm
+        handles.append(source.register_forward_hook(keep_source))
         handles.append(block.mlp.down_proj.register_forward_pre_hook(mask_hidden))
     try:
         with torch.no_grad():
@@ -119,6 +120,41 @@ def test_sparse_decode_matches_masked_reference(batch):
                 ids, use_cache=False).logits
             assert describe_difference("logits", got, expected, rtol=1e-4, atol=1e-4) is None, options
     assert (dense - expected).abs().max() > 1e-3  # the plan really removed something
+
+
+def _int8_plan(model, density):
+    from dejavu_compile.predictors import int8_glu_predictor
+
+    entries = {}
+    for layer, block in enumerate(model.model.layers):
+        mlp = block.mlp
+        t = int8_glu_predictor(mlp.gate_proj.weight, mlp.up_proj.weight)
+        total = mlp.gate_proj.weight.shape[0]
+        entries[(layer, "mlp")] = PlanEntry(layer, "mlp", max(1, round(total * density)), total, t["A"], None,
+                                            t["a"], None, "glu_int8", "silu", lookahead=False)
+    return SparsityPlan(entries, model_fingerprint(model))
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_int8_predictor_decode_matches_masked_reference(batch):
+    """The int8 predictor in the graph (fused int8 reduction under Inductor on CPU, a matmul
+    elsewhere) selects what the plan's own scores select."""
+    model = tiny_model("llama")
+    plan = _int8_plan(model, 0.4)
+    ids = _ids(batch, 1)
+    expected = _masked_reference_llama(model, plan, ids)
+    with torch.no_grad():
+        dense = model(ids, use_cache=False).logits
+        for options in ({"inner": "eager"}, {"inner": "inductor"}, {"simulate": True, "inner": "eager"}):
+            torch._dynamo.reset()
+            reports = []
+            got = torch.compile(model, backend="dejavu", options={
+                "plan": plan, "strict": True, "on_report": reports.append, **options})(ids, use_cache=False).logits
+            assert describe_difference("logits", got, expected, rtol=1e-4, atol=1e-4) is None, options
+            graph = reports[-1].graph.graph
+            assert any(n.meta.get("dejavu", {}).get("role") == "predictor" and not n.meta["dejavu"]["lookahead"]
+                       for n in graph.nodes)
+    assert (dense - expected).abs().max() > 1e-3
 
 
 def test_simulation_is_per_token_on_prefill():

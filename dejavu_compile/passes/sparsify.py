@@ -51,9 +51,12 @@ def check_plan_against_blocks(plan, blocks) -> None:
                             f" model has {total}")
         if entry.A is not None:
             width = block.hidden_size if isinstance(block, MLPBlock) else None
-            if width is not None and entry.A.shape[0] != width:
-                problems.append(f"layer {layer} {kind}: predictor reads {entry.A.shape[0]} features, "
+            reads = entry.A.shape[1] if entry.nonlinearity == "glu_int8" else entry.A.shape[0]
+            if width is not None and reads != width:
+                problems.append(f"layer {layer} {kind}: predictor reads {reads} features, "
                                 f"the block input has {width}")
+        if entry.nonlinearity == "glu_int8" and isinstance(block, MLPBlock) and not block.gated:
+            problems.append(f"layer {layer} mlp: int8 gate/up predictor but the block has no gate")
     layers = {b.layer for b in blocks}
     plan_layers = {layer for layer, _ in plan.entries}
     if blocks and max(layers) >= plan.num_layers:
@@ -101,10 +104,28 @@ def _bias_view(graph, ref: WeightRef) -> fx.Node | None:
     return node
 
 
-def _emit_predictor(gm, graph, entry, x2d: fx.Node, prefix: str, dtype, device) -> fx.Node:
-    """Nodes computing the entry's scores from a (B, d) input; weights become graph constants."""
+def _emit_predictor(gm, graph, entry, x2d: fx.Node, prefix: str, dtype, device, fused_int8=False) -> fx.Node:
+    """Nodes computing the entry's scores from a (B, d) input; weights become graph constants.
+
+    fused_int8: write the int8 predictor as a broadcast multiply + sum, which Inductor's CPU
+    codegen turns into one loop converting int8 in registers (a matmul would first write a
+    dequantized fp32 copy of the weight on every call). Only for decode-sized inputs."""
     def const(suffix, t):
         return _const(gm, graph, f"{prefix}_{suffix}", t.detach().to(device=device, dtype=dtype).contiguous())
+
+    if entry.nonlinearity == "glu_int8":
+        q = _const(gm, graph, f"{prefix}_A_int8", entry.A.detach().to(device=device).contiguous())
+        qf = graph.call_method("to", (q, dtype))
+        if fused_int8:
+            x3 = graph.call_method("unsqueeze", (x2d, 1))
+            h = graph.call_method("sum", (graph.call_function(operator.mul, (x3, qf)), -1))
+        else:
+            h = graph.call_function(torch.matmul, (x2d, graph.call_method("t", (qf,))))
+        h = graph.call_function(operator.mul, (h, const("a", entry.a)))
+        g = graph.call_function(operator.getitem, (h, (Ellipsis, slice(0, entry.total))))
+        u = graph.call_function(operator.getitem, (h, (Ellipsis, slice(entry.total, None))))
+        fn, kwargs = _ACT_FN[_activation_name(entry.activation)]
+        return graph.call_function(torch.abs, (graph.call_function(operator.mul, (graph.call_function(fn, (g,), kwargs), u)),))
 
     h = graph.call_function(torch.matmul, (x2d, const("A", entry.A)))
     if entry.a is not None:
@@ -214,7 +235,7 @@ def sparsify(gm: fx.GraphModule, example_inputs, report, opts) -> fx.GraphModule
     return gm
 
 
-def _insert_selection(gm, graph, block: MLPBlock, entry, ordered, values):
+def _insert_selection(gm, graph, block: MLPBlock, entry, ordered, values, fused_int8=False):
     """Predictor and top-k, right after the input they read (as early as their inputs allow).
 
     Returns (flat (tokens, k) neuron ids, the node the predictor reads)."""
@@ -225,7 +246,7 @@ def _insert_selection(gm, graph, block: MLPBlock, entry, ordered, values):
     source = _previous_input(block, ordered) if entry.lookahead else x
     with graph.inserting_before(source.next):
         flat_source = graph.call_method("reshape", (source, -1, shape_of(source)[-1]))
-        scores = _emit_predictor(gm, graph, entry, flat_source, f"dejavu_L{block.layer}_mlp", dtype, device)
+        scores = _emit_predictor(gm, graph, entry, flat_source, f"dejavu_L{block.layer}_mlp", dtype, device, fused_int8)
         top = graph.call_function(torch.topk, (scores, entry.k), {"dim": -1, "sorted": False})
         idx = graph.call_function(operator.getitem, (top, 1))
     for node in (scores, idx):
@@ -313,7 +334,8 @@ def _size(graph, node, dim) -> fx.Node:
 def _rewrite_mlp(gm, graph, block: MLPBlock, entry, ordered, values, report, opts) -> None:
     x = block.nodes["input"]
     prefix = f"dejavu_L{block.layer}_mlp"
-    idx, source = _insert_selection(gm, graph, block, entry, ordered, values)
+    idx, source = _insert_selection(gm, graph, block, entry, ordered, values,
+                                    fused_int8=_use_decomposed(opts, values.get(block.up.node)))
 
     # 2. The sparse op in place of the block.
     down_value = values.get(block.down.node)
