@@ -42,43 +42,49 @@ def run_smollm2(args, report):
     from dejavu_compile.bench import Variant, compiled_forward, measure_decode
     from dejavu_compile.calibrate import calibrate
     from dejavu_compile.cli import DEMO_PROMPT, bandwidth_bound
-    from dejavu_compile.data import tokenize_chunks, wiki_articles
+    from dejavu_compile.data import news_texts, tokenize_chunks, wiki_articles
     from dejavu_compile.evaluate import perplexity
     from dejavu_compile.models import load_smollm2
     from dejavu_compile.passes.sparsify import prepare_model
 
     model, tok = load_smollm2()
-    build = calibrate(model, tok, return_builder=True)
+    builders = {p: calibrate(model, tok, predictor=p, return_builder=True) for p in args.predictors}
     prepare_model(model)
     ids = tok(DEMO_PROMPT, return_tensors="pt").input_ids
     chunks = tokenize_chunks(tok, wiki_articles("eval"), seq_len=256, max_tokens=args.eval_tokens)
-    dense_ppl = perplexity(model, chunks)
-    plans = {d: build(d) for d in args.densities}
+    news = tokenize_chunks(tok, news_texts(), seq_len=256, max_tokens=args.eval_tokens)
+    dense_ppl, dense_news = perplexity(model, chunks), perplexity(model, news)
+    plans = {f"dejavu {p} {d:.2f}": build(d) for p, build in builders.items() for d in args.densities}
     variants = [Variant("HF eager", lambda f: f), Variant("Inductor dense", compiled_forward("inductor"))]
-    variants += [Variant(f"dejavu {d:.2f}", compiled_forward("dejavu", options={"plan": p})) for d, p in plans.items()]
+    variants += [Variant(name, compiled_forward("dejavu", options={"plan": plan})) for name, plan in plans.items()]
     speed = measure_decode(model, ids, variants, new_tokens=args.new_tokens, repeats=args.repeats)
     base = speed["Inductor dense"]["tokens_per_s"]
     rows = []
     for name, row in speed.items():
         entry = {"variant": name, "tokens_per_s": row["tokens_per_s"], "speedup_vs_inductor": row["tokens_per_s"] / base,
                  "runs": row["runs"]}
-        if name.startswith("dejavu"):
-            plan = plans[float(name.split()[1])]
-            ppl = perplexity(model, chunks, plan, progress=True)
+        if name in plans:
+            plan = plans[name]
+            ppl, ppl_news = perplexity(model, chunks, plan, progress=True), perplexity(model, news, plan)
             bound = bandwidth_bound(model, plan)
-            entry.update(mlp_density=plan.mlp_density, perplexity=ppl, ppl_increase=ppl / dense_ppl - 1,
+            mlp = [e for e in plan.entries.values() if e.kind == "mlp"]
+            entry.update(predictor=plan.settings.get("predictor"), mlp_density=plan.mlp_density, perplexity=ppl,
+                         ppl_increase=ppl / dense_ppl - 1, news_ppl_increase=ppl_news / dense_news - 1,
+                         mean_recall=sum(e.stats.get("recall", 1.0) for e in mlp) / len(mlp),
+                         lookahead=any(e.lookahead for e in mlp),
                          bandwidth_bound=bound, efficiency=entry["speedup_vs_inductor"] / bound)
         else:
-            entry.update(mlp_density=1.0, perplexity=dense_ppl, ppl_increase=0.0)
+            entry.update(mlp_density=1.0, perplexity=dense_ppl, ppl_increase=0.0, news_ppl_increase=0.0)
         rows.append(entry)
     report["smollm2"] = rows
     print(f"\nSmolLM2-135M, CPU fp32, batch 1, static cache, {args.new_tokens} new tokens "
           f"(held-out perplexity on {sum(c.numel() for c in chunks)} Wikipedia tokens, dense {dense_ppl:.2f})")
-    print(f"{'variant':<16}{'MLP density':>12}{'tokens/s':>10}{'speedup':>9}{'bound':>7}{'eff.':>6}{'ppl':>8}{'Δppl':>8}")
+    print(f"{'variant':<22}{'MLP density':>12}{'tokens/s':>10}{'speedup':>9}{'bound':>7}{'eff.':>6}{'recall':>7}"
+          f"{'ppl':>8}{'Δppl wiki':>10}{'news':>8}")
     for r in rows:
-        print(f"{r['variant']:<16}{r['mlp_density']:>12.2f}{r['tokens_per_s']:>10.2f}{r['speedup_vs_inductor']:>8.2f}x"
-              f"{r.get('bandwidth_bound', 1.0):>6.2f}x{r.get('efficiency', 1.0):>6.2f}{r['perplexity']:>8.2f}"
-              f"{r['ppl_increase']:>+8.1%}")
+        print(f"{r['variant']:<22}{r['mlp_density']:>12.2f}{r['tokens_per_s']:>10.2f}{r['speedup_vs_inductor']:>8.2f}x"
+              f"{r.get('bandwidth_bound', 1.0):>6.2f}x{r.get('efficiency', 1.0):>6.2f}{r.get('mean_recall', 1.0):>7.2f}"
+              f"{r['perplexity']:>8.2f}{r['ppl_increase']:>+10.1%}{r['news_ppl_increase']:>+8.1%}")
 
 
 SYNTHETIC_SHAPES = {  # LLaMA-3.2-1B-like and LLaMA-7B-like layers
@@ -135,7 +141,10 @@ def plot(report, path):
     if not rows:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([100 * r["ppl_increase"] for r in rows], [r["speedup_vs_inductor"] for r in rows], "o-", label="dejavu")
+    for pred in dict.fromkeys(r.get("predictor") for r in rows):
+        mine = sorted((r for r in rows if r.get("predictor") == pred), key=lambda r: r["mlp_density"])
+        ax.plot([100 * r["ppl_increase"] for r in mine], [r["speedup_vs_inductor"] for r in mine], "o-",
+                label=f"dejavu, {pred} predictor")
     for r in rows:
         ax.annotate(f"{r['mlp_density']:.2f}", (100 * r["ppl_increase"], r["speedup_vs_inductor"]),
                     textcoords="offset points", xytext=(4, 4), fontsize=8)
@@ -151,7 +160,8 @@ def plot(report, path):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--densities", type=float, nargs="+", default=[0.35, 0.5, 0.65, 0.8])
+    ap.add_argument("--densities", type=float, nargs="+", default=[0.5, 0.6, 0.75, 0.98])
+    ap.add_argument("--predictors", nargs="+", default=["lowrank", "int8"], choices=["lowrank", "int8"])
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--eval-tokens", type=int, default=4096)

@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-tokens", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--calib-tokens", type=int, default=8192)
-    ap.add_argument("--methods", nargs="*", default=["oracle", "learned_lookahead", "learned", "cats", "teal"])
+    ap.add_argument("--methods", nargs="*", default=["oracle", "int8", "learned_lookahead", "learned", "cats", "teal"])
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -74,9 +74,10 @@ def main(argv=None) -> int:
 
     builders = {}
     for method in args.methods:
-        if method in ("learned", "learned_lookahead"):
+        if method in ("learned", "learned_lookahead", "int8"):
             tt = time.time()
             builders[method] = calibrate(model, tok, lookahead=method == "learned_lookahead", samples=samples,
+                                         predictor="int8" if method == "int8" else "lowrank",
                                          progress=True, return_builder=True)
             print(f"{method}: predictors fitted in {time.time() - tt:.0f} s", flush=True)
 
@@ -102,6 +103,9 @@ def main(argv=None) -> int:
                     "predictor_flops_vs_block": (
                         sparse[0].predictor_flops() / (6 * sparse[0].total * model.config.hidden_size)
                         if sparse else 0.0),
+                    "predictor_bytes_vs_fp32_block": (  # low-rank predictors run in the model dtype (fp32)
+                        (sparse[0].predictor_bytes() if sparse[0].nonlinearity == "glu_int8" else 4 * sparse[0].predictor_params())
+                        / (12 * sparse[0].total * model.config.hidden_size) if sparse else 0.0),
                 }
                 record(method, density, plan_selector(plan), extra)
 
@@ -144,6 +148,8 @@ def main(argv=None) -> int:
                     "the masked input; not a neuron selector",
             "cats": "top-k by |act(gate(x))|, needs the full gate GEMV",
             "learned": "glu low-rank predictor (rank d/4 per projection), k per layer by greedy budget",
+            "int8": "the block's own gate/up weights in int8 (per-row scales) as predictor, block's own input, "
+                    "k per layer by greedy budget; predictor reads 1/6 of the fp32 block's bytes",
         },
     }
     (out / "quality.json").write_text(json.dumps(result, indent=1))

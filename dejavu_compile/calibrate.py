@@ -231,6 +231,8 @@ def main_calibrate(argv=None) -> int:
     ap.add_argument("--texts", default=None, help="text file to calibrate on (default: bundled Wikipedia split)")
     ap.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     ap.add_argument("--rank", type=int, default=None)
+    ap.add_argument("--predictor", choices=("lowrank", "int8"), default="lowrank",
+                    help="lowrank: Deja Vu-style with lookahead; int8: the block's own gate/up in int8 (near-oracle)")
     ap.add_argument("--no-lookahead", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
@@ -251,7 +253,7 @@ def main_calibrate(argv=None) -> int:
 
         texts = read_text_file(args.texts)
     plan = calibrate(model, tok, texts, mlp_density=args.density, attn_density=args.attn_density,
-                     lookahead=not args.no_lookahead, rank=args.rank, max_tokens=args.max_tokens,
+                     lookahead=not args.no_lookahead, rank=args.rank, predictor=args.predictor, max_tokens=args.max_tokens,
                      max_ppl_increase=args.max_ppl_increase)
     plan.save(args.out)
     print(plan.summary())
