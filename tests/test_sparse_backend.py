@@ -138,8 +138,9 @@ def _int8_plan(model, density):
 @pytest.mark.parametrize("batch", [1, 3])
 def test_int8_predictor_decode_matches_masked_reference(batch):
     """The int8 predictor in the graph (fused int8 reduction under Inductor on CPU, a matmul
-    elsewhere) selects what the plan's own scores select."""
-    model = tiny_model("llama")
+    elsewhere) selects what the plan's own scores select. F=320 at 40%: k=128, so the CPU lowering
+    splits the down projection's row sum into 4 bags."""
+    model = tiny_model("llama", intermediate=320)
     plan = _int8_plan(model, 0.4)
     ids = _ids(batch, 1)
     expected = _masked_reference_llama(model, plan, ids)
