@@ -128,7 +128,9 @@ def calibrate(
     layers = sorted(samples)
     n = samples[layers[0]].mlp_input.shape[0]
     fit_idx, val_idx = _split(n, 0.8, seed)
-    grid_mlp = budget.k_grid(F_, min_density, 20)
+    # k in multiples of 32 (wide models): the sparse kernels split k into equal parts (bags,
+    # blocks), which an arbitrary k (e.g. a prime) prevents.
+    grid_mlp = budget.k_grid(F_, min_density, 20, multiple=32 if F_ >= 512 else 1)
     grid_att = budget.k_grid(H, min(min_density, 1.0 / H), H)
 
     preds: dict[tuple[int, str], dict] = {}

@@ -62,7 +62,10 @@ class PlanEntry:
         if self.A is None:
             return torch.ones(*x.shape[:-1], self.total, dtype=x.dtype, device=x.device)
         if self.nonlinearity == "glu_int8":
-            h = (x.float() @ self.A.to(x.device, torch.float32).T) * self.a.to(x.device, torch.float32)
+            from dejavu_compile.kernels.int8 import int8_linear  # the op the compiled graph runs
+
+            flat = x.float().reshape(-1, x.shape[-1])
+            h = int8_linear(flat, self.A.to(x.device), self.a.to(x.device, torch.float32)).view(*x.shape[:-1], -1)
             act = _ACTS.get(self.activation, F.silu)
             return (act(h[..., :self.total]) * h[..., self.total:]).abs()
         A = self.A.to(x.device, x.dtype if x.dtype.is_floating_point else torch.float32)

@@ -6,6 +6,8 @@ Ops (each with a fake kernel; CPU runs the torch path, CUDA runs Triton):
 - ``sparse_head_attention(x, w_q, b_q, k_cache, v_cache, w_o_t, b_o, head_idx, cos, sin,
   valid_len, attn_mask, scale, rotary_dim)`` (see ``attention.py``)
 
+- ``int8_linear(x, w_int8, scale)``: the int8 predictor's GEMV (FBGEMM on CPU, see ``int8.py``)
+
 Weight layouts are prepared once with ``prepare_gated_mlp_weights``, ``prepare_mlp_weights`` and
 ``prepare_attention_weights``. Triton launchers live in ``triton_mlp`` (imported on first CUDA use,
 so this package imports without triton; don't import it eagerly: under TRITON_INTERPRET the flag is
@@ -20,12 +22,13 @@ construction (the backend does; required inside CUDA graphs), or set
 """
 from ._common import ACTIVATIONS
 from .attention import sparse_head_attention, sparse_head_attention_torch
+from .int8 import int8_linear
 from .mlp import sparse_gated_mlp, sparse_gated_mlp_torch, sparse_mlp, sparse_mlp_torch
 from .prepare import (prepare_attention_weights, prepare_gated_mlp_weights, prepare_mlp_weights,
                       prepared_overhead)
 
 __all__ = [
-    "ACTIVATIONS", "sparse_gated_mlp", "sparse_mlp", "sparse_head_attention",
+    "ACTIVATIONS", "int8_linear", "sparse_gated_mlp", "sparse_mlp", "sparse_head_attention",
     "sparse_gated_mlp_torch", "sparse_mlp_torch", "sparse_head_attention_torch",
     "prepare_gated_mlp_weights", "prepare_mlp_weights", "prepare_attention_weights",
     "prepared_overhead",

@@ -104,24 +104,15 @@ def _bias_view(graph, ref: WeightRef) -> fx.Node | None:
     return node
 
 
-def _emit_predictor(gm, graph, entry, x2d: fx.Node, prefix: str, dtype, device, fused_int8=False) -> fx.Node:
-    """Nodes computing the entry's scores from a (B, d) input; weights become graph constants.
-
-    fused_int8: write the int8 predictor as a broadcast multiply + sum, which Inductor's CPU
-    codegen turns into one loop converting int8 in registers (a matmul would first write a
-    dequantized fp32 copy of the weight on every call). Only for decode-sized inputs."""
+def _emit_predictor(gm, graph, entry, x2d: fx.Node, prefix: str, dtype, device) -> fx.Node:
+    """Nodes computing the entry's scores from a (B, d) input; weights become graph constants."""
     def const(suffix, t):
         return _const(gm, graph, f"{prefix}_{suffix}", t.detach().to(device=device, dtype=dtype).contiguous())
 
     if entry.nonlinearity == "glu_int8":
         q = _const(gm, graph, f"{prefix}_A_int8", entry.A.detach().to(device=device).contiguous())
-        qf = graph.call_method("to", (q, dtype))
-        if fused_int8:
-            x3 = graph.call_method("unsqueeze", (x2d, 1))
-            h = graph.call_method("sum", (graph.call_function(operator.mul, (x3, qf)), -1))
-        else:
-            h = graph.call_function(torch.matmul, (x2d, graph.call_method("t", (qf,))))
-        h = graph.call_function(operator.mul, (h, const("a", entry.a)))
+        scale = _const(gm, graph, f"{prefix}_a", entry.a.detach().to(device=device, dtype=torch.float32).contiguous())
+        h = graph.call_function(torch.ops.dejavu.int8_linear.default, (x2d, q, scale))
         g = graph.call_function(operator.getitem, (h, (Ellipsis, slice(0, entry.total))))
         u = graph.call_function(operator.getitem, (h, (Ellipsis, slice(entry.total, None))))
         fn, kwargs = _ACT_FN[_activation_name(entry.activation)]
@@ -235,7 +226,7 @@ def sparsify(gm: fx.GraphModule, example_inputs, report, opts) -> fx.GraphModule
     return gm
 
 
-def _insert_selection(gm, graph, block: MLPBlock, entry, ordered, values, fused_int8=False):
+def _insert_selection(gm, graph, block: MLPBlock, entry, ordered, values):
     """Predictor and top-k, right after the input they read (as early as their inputs allow).
 
     Returns (flat (tokens, k) neuron ids, the node the predictor reads)."""
@@ -246,7 +237,7 @@ def _insert_selection(gm, graph, block: MLPBlock, entry, ordered, values, fused_
     source = _previous_input(block, ordered) if entry.lookahead else x
     with graph.inserting_before(source.next):
         flat_source = graph.call_method("reshape", (source, -1, shape_of(source)[-1]))
-        scores = _emit_predictor(gm, graph, entry, flat_source, f"dejavu_L{block.layer}_mlp", dtype, device, fused_int8)
+        scores = _emit_predictor(gm, graph, entry, flat_source, f"dejavu_L{block.layer}_mlp", dtype, device)
         top = graph.call_function(torch.topk, (scores, entry.k), {"dim": -1, "sorted": False})
         idx = graph.call_function(operator.getitem, (top, 1))
     for node in (scores, idx):
@@ -344,8 +335,7 @@ def _size(graph, node, dim) -> fx.Node:
 def _rewrite_mlp(gm, graph, block: MLPBlock, entry, ordered, values, report, opts) -> None:
     x = block.nodes["input"]
     prefix = f"dejavu_L{block.layer}_mlp"
-    idx, source = _insert_selection(gm, graph, block, entry, ordered, values,
-                                    fused_int8=_use_decomposed(opts, values.get(block.up.node)))
+    idx, source = _insert_selection(gm, graph, block, entry, ordered, values)
 
     # 2. The sparse op in place of the block.
     down_value = values.get(block.down.node)
