@@ -25,6 +25,9 @@ from dejavu_compile.collect import collect
 # at average MLP density 0.98 costs +1.5% (Wikipedia) / +2.6% (news); 0.97: +3.2% / +3.4%;
 # 0.90: +7.0% / +11.0%. The predictors are far from the oracle on this SwiGLU model (see the
 # report), so the default that honours the <= +3% budget is barely sparse (26 of 30 MLPs dense).
+# predictor="int8" selects near-oracle neurons (0.70: +0.6% / +2.5%) but, like every plan within
+# the budget on a 2-core CPU, decodes slower than dense Inductor (benchmarks/decode.py), so the
+# default stays the cheaper low-rank predictor.
 DEFAULT_MLP_DENSITY = 0.98
 DEFAULT_RANK_FRACTION = 0.25  # predictor rank r = fraction * d (per projection of the "glu" predictor)
 DEFAULT_MAX_TOKENS = 8192
