@@ -184,3 +184,33 @@ def test_unknown_predictor_is_a_clear_error():
     model = tiny_llama(planted=False)
     with pytest.raises(ValueError, match="predictor"):
         calibrate(model, None, samples={}, predictor="int3", progress=False)
+
+
+class _ByteTokenizer:
+    """Characters to ids below the tiny vocabulary: enough for tokenize_chunks."""
+
+    eos_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [1 + ord(c) % (V - 1) for c in text]}
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.5])
+def test_quality_budget_mode_respects_its_budget(budget):
+    """max_ppl_increase picks the lowest density whose calibration-holdout perplexity stays within
+    the budget: a zero budget keeps (nearly) everything, a loose one goes sparser."""
+    from dejavu_compile.data import tokenize_chunks
+    from dejavu_compile.evaluate import perplexity
+
+    model = tiny_llama(planted=False)
+    text = " ".join(f"token{i % 37} word{i % 11}" for i in range(600))
+    plan = calibrate(model, _ByteTokenizer(), texts=[text], max_ppl_increase=budget, max_tokens=512,
+                     seq_len=32, predictor="int8", progress=False)
+    assert plan.settings["max_ppl_increase"] == budget
+    if plan.mlp_density < 1.0:
+        assert plan.settings["holdout_ppl_increase"] <= budget
+    holdout = tokenize_chunks(_ByteTokenizer(), [text], 32, 512 + 4 * 32)[-4:]  # what calibrate held back
+    inc = perplexity(model, holdout, plan) / perplexity(model, holdout) - 1.0
+    assert inc <= budget + 1e-6
+    if budget == 0.5:
+        assert plan.mlp_density < 0.9
