@@ -81,6 +81,7 @@ def calibrate(
     min_density: float = 0.125,
     max_ppl_increase: float | None = None,
     predictor: str = "lowrank",
+    dense_when_unprofitable: bool = True,
     progress: bool = True,
     seed: int = 0,
     samples=None,
@@ -91,6 +92,8 @@ def calibrate(
     texts: list of strings, a single string, or None for the bundled Wikipedia calibration split.
     mlp_density / attn_density: target average fraction of MLP neurons / query heads kept.
     lookahead: predictors read the previous block's input (can run beside it).
+    dense_when_unprofitable: keep a layer dense when its kept rows plus its predictor would read at
+        least as many bytes as the dense block (the plan's density can then exceed the target).
     predictor: "lowrank" (Deja Vu-style, rank `rank`, with lookahead) or "int8" (the block's own
         gate/up weights in int8: near-oracle selection, reads the block's own input, no lookahead).
     max_ppl_increase: instead of `mlp_density`, the lowest density (grid of 0.05) whose perplexity
@@ -165,8 +168,18 @@ def calibrate(
             ia = s.attn_importance[val_idx]
             curves["attention"][l] = {k: 1.0 - m for k, m in mass_curve(sa, ia, grid_att).items()}
 
+    # Bytes a sparse layer reads for its predictor, as a share of the dense block's bytes (in the
+    # model's dtype; int8 predictors at one byte per weight).
+    block_bytes = 3 * d * F_ * next(model.parameters()).element_size()
+    some = preds[(layers[0], "mlp")]
+    pred_bytes = (some["A"].numel() + some["a"].numel() * 4 if predictor == "int8"
+                  else sum(t.numel() for t in some.values()) * next(model.parameters()).element_size())
+    predictor_cost = pred_bytes / block_bytes
+
     def build(density: float) -> SparsityPlan:
         kmlp = budget.allocate(curves["mlp"], {l: F_ for l in layers}, density)
+        if dense_when_unprofitable:  # a layer whose rows plus predictor outweigh the dense block
+            kmlp = {l: (F_ if k / F_ + predictor_cost >= 1.0 else k) for l, k in kmlp.items()}
         katt = (budget.allocate(curves["attention"], {l: H for l in layers}, attn_density)
                 if attn_density < 1.0 else {l: H for l in layers})
         entries = {}
@@ -196,7 +209,8 @@ def calibrate(
             "target_mlp_density": density, "attn_density": attn_density,
             "lookahead": lookahead, "rank": r, "max_tokens": max_tokens, "seq_len": seq_len,
             "tokens_collected": n, "min_density": min_density, "seed": seed,
-            "max_ppl_increase": max_ppl_increase, "collect_s": round(t_collect, 1),
+            "max_ppl_increase": max_ppl_increase, "predictor_cost": round(predictor_cost, 4),
+            "dense_when_unprofitable": dense_when_unprofitable, "collect_s": round(t_collect, 1),
             "total_s": round(time.time() - t0, 1),
         }
         return SparsityPlan(entries, fingerprint, settings)
