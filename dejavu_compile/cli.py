@@ -13,7 +13,8 @@ DEMO_PROMPT = "The history of the city begins in the Roman period, when"
 def _default_plan_dir():
     from dejavu_compile.models import cache_dir
 
-    return cache_dir() / "plans" / "smollm2-default"
+    # Versioned: a plan cached by an older default calibration is not silently reused.
+    return cache_dir() / "plans" / "smollm2-default-v2"
 
 
 def load_or_calibrate(model, tokenizer, plan_dir, recalibrate: bool = False, **calibrate_kwargs):
