@@ -214,3 +214,16 @@ def test_quality_budget_mode_respects_its_budget(budget):
     assert inc <= budget + 1e-6
     if budget == 0.5:
         assert plan.mlp_density < 0.9
+
+
+def test_unprofitable_layers_stay_dense():
+    """A layer whose kept rows plus predictor read as many bytes as the dense block stays dense,
+    unless asked to hit the target exactly."""
+    model = tiny_llama()
+    samples, _ = collect(model, batches(3, 48), progress=False)
+    kwargs = dict(samples=samples, mlp_density=0.8, rank=32, lookahead=False, progress=False)
+    plan = calibrate(model, None, **kwargs)  # predictor ~42% of the block: 0.8 + 0.42 > 1
+    assert plan.settings["predictor_cost"] > 0.3
+    assert all(plan.entry(l, "mlp").dense for l in range(L)) and plan.mlp_density == 1.0
+    exact = calibrate(model, None, dense_when_unprofitable=False, **kwargs)
+    assert abs(exact.mlp_density - 0.8) < 0.05 and not all(exact.entry(l, "mlp").dense for l in range(L))
