@@ -103,9 +103,8 @@ def main(argv=None) -> int:
                     "predictor_flops_vs_block": (
                         sparse[0].predictor_flops() / (6 * sparse[0].total * model.config.hidden_size)
                         if sparse else 0.0),
-                    "predictor_bytes_vs_fp32_block": (  # low-rank predictors run in the model dtype (fp32)
-                        (sparse[0].predictor_bytes() if sparse[0].nonlinearity == "glu_int8" else 4 * sparse[0].predictor_params())
-                        / (12 * sparse[0].total * model.config.hidden_size) if sparse else 0.0),
+                    "predictor_bytes_vs_fp32_block": (
+                        sparse[0].read_bytes(4) / (12 * sparse[0].total * model.config.hidden_size) if sparse else 0.0),
                 }
                 record(method, density, plan_selector(plan), extra)
 

@@ -14,7 +14,7 @@ import time
 import torch
 
 from dejavu_compile import budget
-from dejavu_compile.plan import PlanEntry, SparsityPlan, model_fingerprint
+from dejavu_compile.plan import PlanEntry, SparsityPlan, model_fingerprint, predictor_read_bytes
 from dejavu_compile.predictors import (fit_glu_predictor, glu_scores, int8_glu_predictor, int8_glu_scores,
                                        mass_captured, mass_curve, recall, train_predictor)
 
@@ -167,13 +167,10 @@ def calibrate(
             ia = s.attn_importance[val_idx]
             curves["attention"][l] = {k: 1.0 - m for k, m in mass_curve(sa, ia, grid_att).items()}
 
-    # Bytes a sparse layer reads for its predictor, as a share of the dense block's bytes (in the
-    # model's dtype; int8 predictors at one byte per weight).
-    block_bytes = 3 * d * F_ * next(model.parameters()).element_size()
-    some = preds[(layers[0], "mlp")]
-    pred_bytes = (some["A"].numel() + some["a"].numel() * 4 if predictor == "int8"
-                  else sum(t.numel() for t in some.values()) * next(model.parameters()).element_size())
-    predictor_cost = pred_bytes / block_bytes
+    # Bytes a sparse layer reads for its predictor, as a share of the dense block's bytes.
+    element_size = next(model.parameters()).element_size()
+    pred_bytes = predictor_read_bytes(preds[(layers[0], "mlp")].values(), predictor == "int8", element_size)
+    predictor_cost = pred_bytes / (3 * d * F_ * element_size)
 
     def build(density: float) -> SparsityPlan:
         kmlp = budget.allocate(curves["mlp"], {l: F_ for l in layers}, density)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 
@@ -78,8 +79,6 @@ def demo(argv=None) -> int:
 
     base = speed["Inductor dense"]["tokens_per_s"]
     bound = bandwidth_bound(model, plan)
-    import os
-
     load = os.getloadavg()[0]
     print(f"\nmachine: {machine_description()}; load average {load:.1f}"
           + (" (other work is running: timings are not reliable)" if load > os.cpu_count() + 1 else ""))
@@ -115,10 +114,7 @@ def bandwidth_bound(model, plan) -> float:
         if block.kind != "mlp" or entry is None or entry.dense:
             continue
         mlp = sum(nbytes(params[ref.name]) for ref in block.weights.values() if ref.name in params)
-        # predictor weights are read in the model's dtype, except int8 ones
-        pred = (entry.predictor_bytes() if entry.nonlinearity == "glu_int8"
-                else entry.predictor_params() * next(iter(params.values())).element_size())
-        saved += mlp * (1.0 - entry.k / entry.total) - pred
+        saved += mlp * (1.0 - entry.k / entry.total) - entry.read_bytes(next(iter(params.values())).element_size())
     return total / (total - saved)
 
 

@@ -62,12 +62,11 @@ class PlanEntry:
         if self.A is None:
             return torch.ones(*x.shape[:-1], self.total, dtype=x.dtype, device=x.device)
         if self.nonlinearity == "glu_int8":
-            from dejavu_compile.kernels.int8 import int8_linear  # the op the compiled graph runs
+            from dejavu_compile.predictors import int8_glu_scores
 
-            flat = x.float().reshape(-1, x.shape[-1])
-            h = int8_linear(flat, self.A.to(x.device), self.a.to(x.device, torch.float32)).view(*x.shape[:-1], -1)
-            act = _ACTS.get(self.activation, F.silu)
-            return (act(h[..., :self.total]) * h[..., self.total:]).abs()
+            t = {"A": self.A.to(x.device), "a": self.a.to(x.device, torch.float32)}
+            flat = x.reshape(-1, x.shape[-1])
+            return int8_glu_scores(flat, t, _ACTS.get(self.activation, F.silu)).view(*x.shape[:-1], -1)
         A = self.A.to(x.device, x.dtype if x.dtype.is_floating_point else torch.float32)
         h = x.to(A.dtype) @ A
         if self.a is not None:
@@ -101,10 +100,23 @@ class PlanEntry:
         return 2 * sum(t.numel() for t in (self.A, self.B) if t is not None)
 
     def predictor_bytes(self) -> int:
+        """Bytes of the predictor's tensors as stored."""
         return sum(t.numel() * t.element_size() for t in (self.A, self.B, self.a, self.b) if t is not None)
+
+    def read_bytes(self, element_size: int) -> int:
+        """Bytes the predictor reads per token in a model whose weights take `element_size` bytes."""
+        return predictor_read_bytes(self.tensors().values(), self.nonlinearity == "glu_int8", element_size)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {n: t.contiguous() for n, t in (("A", self.A), ("B", self.B), ("a", self.a), ("b", self.b)) if t is not None}
+
+
+def predictor_read_bytes(tensors, int8: bool, element_size: int) -> int:
+    """Bytes a predictor reads per token: an int8 predictor's tensors as stored, any other
+    predictor's in the model's dtype (the backend casts them to it)."""
+    if int8:
+        return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() for t in tensors) * element_size
 
 
 def model_fingerprint(model) -> dict[str, Any]:
@@ -290,7 +302,7 @@ def _validate_entry(e: PlanEntry) -> None:
             raise ValueError(f"plan entry layer {e.layer} {e.kind}: k={e.k} < total={e.total} but no predictor")
         return
     if e.nonlinearity == "glu_int8":
-        if (e.A.dtype != torch.int8 or tuple(e.A.shape[:1]) != (2 * e.total,) or e.A.dim() != 2
+        if (e.A.dtype != torch.int8 or e.A.dim() != 2 or e.A.shape[0] != 2 * e.total
                 or e.a is None or tuple(e.a.shape) != (2 * e.total,)):
             raise ValueError(f"plan entry layer {e.layer} {e.kind}: int8 predictor needs A int8 (2*{e.total}, d) "
                              f"and scales a ({2 * e.total},), got A {e.A.dtype} {tuple(e.A.shape)}")

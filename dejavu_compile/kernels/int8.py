@@ -18,9 +18,7 @@ import torch
 from torch import Tensor
 
 _PACKED: dict[int, tuple] = {}  # id(w_int8) -> (weakref to w, version, id(scale), packed params)
-
-
-_FBGEMM = [any(e in torch.backends.quantized.supported_engines for e in ("x86", "fbgemm"))]
+_FBGEMM = any(e in torch.backends.quantized.supported_engines for e in ("x86", "fbgemm"))
 
 
 def _packed(w: Tensor, scale: Tensor):
@@ -36,7 +34,8 @@ def _packed(w: Tensor, scale: Tensor):
             q = torch._make_per_channel_quantized_tensor(w, scale.double(), zero, 0)
             packed = torch.ops.quantized.linear_prepack(q, None)
     except (RuntimeError, AttributeError, NotImplementedError):
-        _FBGEMM[0] = False
+        global _FBGEMM
+        _FBGEMM = False
         return None
     _PACKED[id(w)] = (weakref.ref(w, lambda _, key=id(w): _PACKED.pop(key, None)), w._version, id(scale), packed)
     return packed
@@ -58,7 +57,7 @@ def int8_linear(x: Tensor, w_int8: Tensor, scale: Tensor) -> Tensor:
     """(B, d) x (n, d) int8 with per-row scales (n,) -> (B, n) in x's dtype, approximately
     ``x @ (w_int8 * scale[:, None]).T`` (FBGEMM on CPU fp32; exact dequantized matmul elsewhere)."""
     _check(x, w_int8, scale)
-    if x.device.type == "cpu" and x.dtype == torch.float32 and _FBGEMM[0]:
+    if x.device.type == "cpu" and x.dtype == torch.float32 and _FBGEMM:
         packed = _packed(w_int8, scale)
         if packed is not None:
             # reduce_range: 7-bit activations, so the int16 pair sums of non-VNNI AVX2 cannot saturate

@@ -155,18 +155,20 @@ def _mlp_torch(x, w_a, w_b, w_down_t, idx, activation, b_a, b_b, b_down, out=Non
 
 
 def sparse_gated_mlp_torch(x, w_gate, w_up, w_down_t, idx, activation, b_gate=None, b_up=None,
-                           b_down=None, *, out: Optional[Tensor] = None) -> Tensor:
+                           b_down=None, *, out: Optional[Tensor] = None, check_idx: bool = True) -> Tensor:
     """CPU/torch implementation of ``sparse_gated_mlp`` (checks included; ``out`` for tests)."""
     _check(x, w_gate, w_up, w_down_t, idx, activation, b_gate, b_up, b_down, "w_gate", "w_up")
-    C.check_idx_range("idx", idx, w_gate.shape[0])
+    if check_idx:
+        C.check_idx_range("idx", idx, w_gate.shape[0])
     return _mlp_torch(x, w_gate, w_up, w_down_t, idx, activation, b_gate, b_up, b_down, out)
 
 
 def sparse_mlp_torch(x, w_up, b_up, w_down_t, b_down, idx, activation, *,
-                     out: Optional[Tensor] = None) -> Tensor:
+                     out: Optional[Tensor] = None, check_idx: bool = True) -> Tensor:
     """CPU/torch implementation of ``sparse_mlp`` (checks included; ``out`` for tests)."""
     _check(x, w_up, None, w_down_t, idx, activation, b_up, None, b_down, "w_up", None)
-    C.check_idx_range("idx", idx, w_up.shape[0])
+    if check_idx:
+        C.check_idx_range("idx", idx, w_up.shape[0])
     return _mlp_torch(x, w_up, None, w_down_t, idx, activation, b_up, None, b_down, out)
 
 
@@ -185,10 +187,8 @@ def sparse_gated_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, 
     check_idx=False skips the idx range check, which reads idx (a device sync on CUDA, impossible
     inside a CUDA-graph capture); the backend passes False because its idx come from topk.
     """
-    _check(x, w_gate, w_up, w_down_t, idx, activation, b_gate, b_up, b_down, "w_gate", "w_up")
-    if check_idx:
-        C.check_idx_range("idx", idx, w_gate.shape[0])
-    return _mlp_torch(x, w_gate, w_up, w_down_t, idx, activation, b_gate, b_up, b_down)
+    return sparse_gated_mlp_torch(x, w_gate, w_up, w_down_t, idx, activation, b_gate, b_up, b_down,
+                                  check_idx=check_idx)
 
 
 @sparse_gated_mlp.register_kernel("cuda")
@@ -215,10 +215,7 @@ def sparse_mlp(x: Tensor, w_up: Tensor, b_up: Optional[Tensor], w_down_t: Tensor
     x (B, d); w_up (F, d); w_down_t (F, d_out); b_up (F,) / b_down (d_out,) or None;
     idx int64 (k,) or (B, k); check_idx as in ``sparse_gated_mlp``. Returns (B, d_out).
     """
-    _check(x, w_up, None, w_down_t, idx, activation, b_up, None, b_down, "w_up", None)
-    if check_idx:
-        C.check_idx_range("idx", idx, w_up.shape[0])
-    return _mlp_torch(x, w_up, None, w_down_t, idx, activation, b_up, None, b_down)
+    return sparse_mlp_torch(x, w_up, b_up, w_down_t, b_down, idx, activation, check_idx=check_idx)
 
 
 @sparse_mlp.register_kernel("cuda")

@@ -315,14 +315,12 @@ def _emit_decomposed(graph, block, x2d, idx, k, w_gate, b_gate, w_up, b_up, w_do
     # the row sums run on all cores (SmolLM2 shapes, 2 threads: 104 -> 59 us per layer at k=768).
     bags = next((s for s in (4, 3, 2) if k % s == 0 and k // s >= 32), 1)
     if bags > 1:
-        bag_idx = graph.call_method("reshape", (idx, -1, k // bags))
-        bag_w = graph.call_method("reshape", (hidden, -1, k // bags))
-        out = graph.call_function(torch.nn.functional.embedding_bag, (bag_idx, w_down_t),
-                                  {"mode": "sum", "per_sample_weights": bag_w})
+        idx = graph.call_method("reshape", (idx, -1, k // bags))
+        hidden = graph.call_method("reshape", (hidden, -1, k // bags))
+    out = graph.call_function(torch.nn.functional.embedding_bag, (idx, w_down_t),
+                              {"mode": "sum", "per_sample_weights": hidden})
+    if bags > 1:
         out = graph.call_method("sum", (graph.call_method("view", (out, -1, bags, _size(graph, w_down_t, 1))), 1))
-    else:
-        out = graph.call_function(torch.nn.functional.embedding_bag, (idx, w_down_t),
-                                  {"mode": "sum", "per_sample_weights": hidden})
     if b_down is not None:
         out = graph.call_function(operator.add, (out, b_down))
     return out
