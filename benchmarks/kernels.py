@@ -17,9 +17,14 @@ what bounds the sparse path. Results: a table on stdout and JSON under benchmark
 """
 from __future__ import annotations
 
+import os
+
+# Transparent huge pages for large tensors (c10's allocator reads this): random row gathers over
+# hundreds of MB of weights miss the TLB on every 4 KiB page otherwise. Same for dense and sparse.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys
@@ -28,7 +33,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dejavu_compile.kernels.mlp import _gather_gemv
+from dejavu_compile.kernels.mlp import _FUSED, _gather_activate, _gather_gemv
 from dejavu_compile.kernels import (prepare_attention_weights, prepare_gated_mlp_weights,
                                     sparse_gated_mlp, sparse_head_attention)
 
@@ -203,8 +208,9 @@ def bench_attention(shape, dtype, device, reps, densities, timer, t_ctx=512):
 
 def bench_bounds(shape, dtype, device, reps, densities, timer):
     """GB/s of the building blocks on cold weights (bytes of the selected rows / time): dense GEMV;
-    a plain row gather (index_select copy); the chunked gather + GEMV of the gate/up part; the
-    embedding_bag weighted row sum of the down part."""
+    a plain row gather (index_select copy); the gate/up part as the Inductor-fused gather-GEMV and as
+    the chunked gather + GEMV (the no-compiler fallback); the embedding_bag weighted row sum of the
+    down part."""
     d, ff = shape["d"], shape["ff"]
     gen = torch.Generator(device="cpu").manual_seed(2)
     mat_bytes = d * ff * torch.finfo(dtype).bits // 8
@@ -224,6 +230,10 @@ def bench_bounds(shape, dtype, device, reps, densities, timer):
         pre = torch.empty(k, 1, 1, dtype=dtype, device=device)
         out[f"chunked_gather_gemv_GBps@{dens}"] = sel / med(
             lambda i: _gather_gemv([mats[i % len(mats)]], pool[i % POOL], x.t(), pre)) / 1e9
+        if _FUSED["enabled"] and device.type == "cpu":
+            fused = torch.compile(_gather_activate, dynamic=True, fullgraph=True)
+            out[f"fused_gather_gemv_GBps@{dens}"] = sel / med(
+                lambda i: fused(x, mats[i % len(mats)], None, pool[i % POOL][None], None, None, "relu")) / 1e9
         out[f"embedding_bag_GBps@{dens}"] = sel / med(
             lambda i: F.embedding_bag(pool[i % POOL], mats[i % len(mats)], offs, mode="sum", per_sample_weights=h)) / 1e9
     return out
@@ -233,6 +243,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few repetitions, LLaMA MLP at 0.1/0.5 only + SmolLM2")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--ops", nargs="+", default=["mlp", "attention", "bounds"], choices=["mlp", "attention", "bounds"])
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<device>-t<threads>.json)")
     args = ap.parse_args(argv)
@@ -252,15 +263,17 @@ def main(argv=None):
     machine = dict(device=str(device), gpu=torch.cuda.get_device_name() if device.type == "cuda" else None,
                    platform=platform.platform(), processor=platform.processor() or platform.machine(),
                    threads=torch.get_num_threads(), cpus=os.cpu_count(), loadavg_at_start=os.getloadavg(),
-                   torch=torch.__version__, dtype=str(dtype), reps=reps)
+                   torch=torch.__version__, dtype=str(dtype), reps=reps,
+                   thp_mem_alloc=os.environ.get("THP_MEM_ALLOC_ENABLE"), cpu_fused_gather=_FUSED["enabled"])
     print(f"# {machine}")
     result = dict(machine=machine, shapes={})
     torch.set_grad_enabled(False)
     for name in args.shapes:
         shape = SHAPES[name]
-        rows = bench_mlp(shape, dtype, device, reps, densities, timer)
-        rows += bench_attention(shape, dtype, device, reps, densities, timer)
-        bounds = bench_bounds(shape, dtype, device, reps, densities, timer) if device.type == "cpu" else {}
+        rows = bench_mlp(shape, dtype, device, reps, densities, timer) if "mlp" in args.ops else []
+        rows += bench_attention(shape, dtype, device, reps, densities, timer) if "attention" in args.ops else []
+        bounds = (bench_bounds(shape, dtype, device, reps, densities, timer)
+                  if device.type == "cpu" and "bounds" in args.ops else {})
         result["shapes"][name] = dict(shape=shape, rows=rows, bounds=bounds)
         print(f"\n## {name} {shape}")
         print(f"{'op':<15}{'density':>8}{'dense ms':>10}{'sparse ms':>11}{'speedup':>9}{'effic.':>8}"

@@ -59,6 +59,68 @@ def test_sparse_mlp_matches_masked_dense(case, dtype, activation, poison):
     assert_close(op_out, ref, bound, dtype, "custom op")
 
 
+@st.composite
+def fused_cases(draw):
+    """Sizes >= 2 (dynamic-shape graphs specialise on 1: fewer compiles), per-row and shared idx."""
+    n = draw(st.integers(2, 100))
+    return dict(seed=draw(st.integers(0, 2**31)), batch=draw(st.integers(1, 8)), d=draw(st.integers(2, 80)),
+                n=n, k=draw(st.integers(2, n)), per_row=draw(st.booleans()), biases=draw(st.booleans()))
+
+
+@pytest.fixture
+def fused_on_small_shapes(monkeypatch):
+    """Large calls take the Inductor-fused gather; force it on the small test shapes, and fail if
+    the chunked path runs where the fused one should."""
+    monkeypatch.setattr(mlp_mod, "FUSED_MIN_ELEMENTS", 0)
+    monkeypatch.setitem(mlp_mod._FUSED, "enabled", True)
+    chunked = mlp_mod._chunked_gather_activate
+
+    def only_shared_batches(x, w_a, w_b, idx, *args):
+        assert idx.dim() == 1 and x.shape[0] > 1, "the fused path should have run"
+        return chunked(x, w_a, w_b, idx, *args)
+
+    monkeypatch.setattr(mlp_mod, "_chunked_gather_activate", only_shared_batches)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=fused_cases(), stacked=st.booleans())
+def test_fused_cpu_gather_matches_masked_dense(case, stacked, fused_on_small_shapes, poison):
+    _check_gated(case, torch.float32, "silu", stacked)
+
+
+@pytest.mark.parametrize("dtype, gated, activation", [
+    (torch.bfloat16, True, "silu"), (torch.float16, True, "gelu_tanh"), (torch.float32, False, "relu"),
+    (torch.float32, False, "gelu")])
+def test_fused_cpu_gather_dtypes_and_plain_mlp(dtype, gated, activation, fused_on_small_shapes, poison):
+    case = dict(seed=7, batch=3, d=40, n=70, k=33, per_row=True, biases=True)
+    if gated:
+        _check_gated(case, dtype, activation, stacked=True)
+        return
+    p = mlp_problem(dtype=dtype, gated=False, **case)
+    ref, bound = mlp_reference(p, activation, gated=False)
+    out = sparse_mlp_torch(p["x"], p["w_up"], p["b_up"], p["w_down_t"], p["b_down"], p["idx"],
+                           activation, out=_nan_out(p))
+    assert_close(out, ref, bound, dtype, "fused torch path")
+
+
+def test_fused_cpu_gather_falls_back_when_inductor_fails(monkeypatch):
+    """No C++ compiler (or any Inductor failure): one warning, then the chunked path, same result."""
+    monkeypatch.setattr(mlp_mod, "FUSED_MIN_ELEMENTS", 0)
+    monkeypatch.setitem(mlp_mod._FUSED, "enabled", True)
+
+    def broken(*args):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setitem(mlp_mod._FUSED, "fn", broken)
+    case = dict(seed=3, batch=2, d=24, n=50, k=20, per_row=True, biases=False)
+    p = mlp_problem(dtype=torch.float32, gated=True, **case)
+    ref, bound = mlp_reference(p, "silu", gated=True)
+    with pytest.warns(RuntimeWarning, match="chunked torch path"):
+        out = sparse_gated_mlp_torch(p["x"], p["w_gate"], p["w_up"], p["w_down_t"], p["idx"], "silu")
+    assert_close(out, ref, bound, torch.float32, "fallback")
+    assert mlp_mod._FUSED["enabled"] is False
+
+
 def test_reference_detects_a_dropped_neuron():
     """The comparison can fail: leaving out one selected neuron is caught."""
     p = mlp_problem(seed=0, batch=2, d=16, n=24, k=12, dtype=torch.float32, gated=True, per_row=False, biases=False)

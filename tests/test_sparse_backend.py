@@ -105,8 +105,13 @@ def _masked_reference_llama(model, plan, ids):
             h.remove()
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-def test_sparse_decode_matches_masked_reference(batch):
+@pytest.mark.parametrize("batch, fused_op", [(1, False), (3, False), (3, True)])
+def test_sparse_decode_matches_masked_reference(batch, fused_op, monkeypatch):
+    """fused_op: the custom op's own Inductor-fused CPU gather (large calls), forced on tiny shapes,
+    running inside the Inductor-compiled graph."""
+    from dejavu_compile.kernels import mlp as mlp_mod
+    if fused_op:
+        monkeypatch.setattr(mlp_mod, "FUSED_MIN_ELEMENTS", 0)
     model = tiny_model("llama")
     plan = _plan(model, 0.4)
     ids = _ids(batch, 1)
