@@ -33,26 +33,25 @@ DEFAULT_MAX_TOKENS = 8192
 DEFAULT_SEQ_LEN = 256
 
 
-def _gated_weights(model, layer: int, blocks=None):
-    """(gate, up) weights (F, d) of a layer's MLP: from the matcher's block records when we have
-    them (any architecture, fused or Conv1D layouts), else from LLaMA module names."""
-    for b in blocks or ():
-        if getattr(b, "kind", None) == "mlp" and b.layer == layer:
-            if b.gate is None:
-                raise NotImplementedError("calibration supports gated MLPs (act(gate(x)) * up(x)) only for now")
-            out = []
-            for ref in (b.gate, b.up):
-                w = model.get_parameter(ref.name).detach().float()
-                if ref.layout == "in_out":
-                    w = w.t()
-                if ref.rows is not None:
-                    w = w[ref.rows[0] : ref.rows[1]]
-                out.append(w)
-            return out[0], out[1]
-    from dejavu_compile.quality import llama_layers
+def _mlp_blocks(model, blocks=None) -> dict:
+    """layer -> matched MLP block record (from collection, else by tracing the model once)."""
+    if blocks is None:
+        from dejavu_compile.explain import explain
 
-    mlp = llama_layers(model)[layer].mlp
-    return mlp.gate_proj.weight.detach().float(), mlp.up_proj.weight.detach().float()
+        device = next(model.parameters()).device
+        blocks = explain(model, torch.tensor([[1, 2]], device=device)).blocks
+        torch._dynamo.reset()
+    return {b.layer: b for b in blocks if getattr(b, "kind", None) == "mlp"}
+
+
+def _weight_rows(model, ref) -> torch.Tensor:
+    """A projection's weight as (F, d) rows, whatever its layout (nn.Linear, Conv1D, fused)."""
+    w = model.get_parameter(ref.name).detach().float()
+    if ref.layout == "in_out":
+        w = w.t()
+    if ref.rows is not None:
+        w = w[ref.rows[0] : ref.rows[1]]
+    return w
 
 
 def _activation(cfg):
@@ -80,13 +79,18 @@ def calibrate(
     min_density: float = 0.125,
     max_ppl_increase: float | None = None,
     predictor: str = "lowrank",
+    train_steps: int = 400,
     dense_when_unprofitable: bool = True,
     progress: bool = True,
     seed: int = 0,
     samples=None,
     return_builder: bool = False,
 ) -> SparsityPlan:
-    """Calibrate a sparsity plan for `model` (LLaMA-style gated MLP) on `texts`.
+    """Calibrate a sparsity plan for `model` on `texts`.
+
+    Gated MLPs (LLaMA, Qwen, Mistral: act(gate(x)) * up(x)) get the low-rank gated predictor or the
+    int8 one; plain MLPs (OPT, GPT-2: act(up(x))) get Deja Vu's two-layer low-rank predictor, trained
+    with binary cross-entropy to flag each token's top neurons at the target density.
 
     texts: list of strings, a single string, or None for the bundled Wikipedia calibration split.
     mlp_density / attn_density: target average fraction of MLP neurons / query heads kept.
@@ -95,6 +99,7 @@ def calibrate(
         least as many bytes as the dense block (the plan's density can then exceed the target).
     predictor: "lowrank" (Deja Vu-style, rank `rank`, with lookahead) or "int8" (the block's own
         gate/up weights in int8: near-oracle selection, reads the block's own input, no lookahead).
+    train_steps: optimizer steps of each trained (plain-MLP) predictor; more steps, better recall.
     max_ppl_increase: instead of `mlp_density`, the lowest density (grid of 0.05) whose perplexity
         increase on held-back calibration text stays within this relative budget (e.g. 0.03).
     samples: precomputed `collect` output (skips collection; for experiments and tests).
@@ -128,9 +133,17 @@ def calibrate(
     t_collect = time.time() - t0
 
     cfg = model.config
-    d, F_, H = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
-    r = rank or max(8, int(round(DEFAULT_RANK_FRACTION * d)))
     layers = sorted(samples)
+    mlp_blocks = _mlp_blocks(model, blocks)
+    missing = [l for l in layers if l not in mlp_blocks]
+    if missing:
+        raise ValueError(f"layers {missing} have samples but no matched MLP block")
+    if predictor == "int8" and not all(mlp_blocks[l].gated for l in layers):
+        raise ValueError("predictor='int8' scores gated MLPs (act(gate(x)) * up(x)) with their own weights; "
+                         "this model's MLPs are plain (act(up(x))): use predictor='lowrank'")
+    d, H = cfg.hidden_size, cfg.num_attention_heads
+    F_ = samples[layers[0]].mlp_importance.shape[1]
+    r = rank or max(8, int(round(DEFAULT_RANK_FRACTION * d)))
     n = samples[layers[0]].mlp_input.shape[0]
     fit_idx, val_idx = _split(n, 0.8, seed)
     # k in multiples of 32 (wide models): the sparse kernels split k into equal parts (bags,
@@ -145,11 +158,18 @@ def calibrate(
         s = samples[l]
         # MLP: closed-form low-rank gated predictor; lookahead input = this layer's attention input.
         x_in = s.attn_input if lookahead else s.mlp_input
-        gate_w, up_w = _gated_weights(model, l, blocks)
-        if predictor == "int8":
-            t = int8_glu_predictor(gate_w, up_w)
+        block = mlp_blocks[l]
+        if not block.gated:  # Deja Vu's predictor, as in its OPT code: linear-linear, BCE on the top set
+            p = train_predictor(x_in[fit_idx], s.mlp_importance[fit_idx], max(1, round(mlp_density * F_)),
+                                rank=r, loss="bce", steps=train_steps, seed=seed)
+            t = p.tensors()
+            with torch.no_grad():
+                sc = p(x_in[val_idx])
+        elif predictor == "int8":
+            t = int8_glu_predictor(_weight_rows(model, block.gate), _weight_rows(model, block.up))
             sc = int8_glu_scores(x_in[val_idx], t, _activation(cfg))
         else:
+            gate_w, up_w = _weight_rows(model, block.gate), _weight_rows(model, block.up)
             t = fit_glu_predictor(x_in[fit_idx], s.mlp_input[fit_idx], gate_w, up_w, r)
             sc = glu_scores(x_in[val_idx], t, _activation(cfg))
         preds[(l, "mlp")] = t
@@ -170,7 +190,8 @@ def calibrate(
     # Bytes a sparse layer reads for its predictor, as a share of the dense block's bytes.
     element_size = next(model.parameters()).element_size()
     pred_bytes = predictor_read_bytes(preds[(layers[0], "mlp")].values(), predictor == "int8", element_size)
-    predictor_cost = pred_bytes / (3 * d * F_ * element_size)
+    gated = mlp_blocks[layers[0]].gated
+    predictor_cost = pred_bytes / ((3 if gated else 2) * d * F_ * element_size)
 
     def build(density: float) -> SparsityPlan:
         kmlp = budget.allocate(curves["mlp"], {l: F_ for l in layers}, density)
@@ -189,6 +210,9 @@ def calibrate(
                      "oracle_mass": mass_captured(imp, imp, k)}
             if k >= F_:
                 entries[(l, "mlp")] = PlanEntry(l, "mlp", F_, F_, nonlinearity="dense", stats=stats)
+            elif not mlp_blocks[l].gated:
+                entries[(l, "mlp")] = PlanEntry(l, "mlp", k, F_, t["A"], t["B"], t["a"], t["b"], "none",
+                                                mlp_blocks[l].activation, lookahead, stats=stats)
             else:
                 entries[(l, "mlp")] = PlanEntry(l, "mlp", k, F_, t["A"], t.get("B"), t["a"], None,
                                                 "glu_int8" if predictor == "int8" else "glu",
@@ -201,7 +225,8 @@ def calibrate(
                 entries[(l, "attention")] = PlanEntry(l, "attention", ka, H, ta["A"], ta["B"], ta.get("a"), ta.get("b"),
                                                       "none", lookahead=lookahead and l > 0)
         settings = {
-            "method": "dejavu-glu-int8" if predictor == "int8" else "dejavu-glu-lowrank", "predictor": predictor,
+            "method": ("dejavu-glu-int8" if predictor == "int8" else "dejavu-glu-lowrank") if gated else "dejavu-lowrank",
+            "predictor": predictor,
             "target_mlp_density": density, "attn_density": attn_density,
             "lookahead": lookahead, "rank": r, "max_tokens": max_tokens, "seq_len": seq_len,
             "tokens_collected": n, "min_density": min_density, "seed": seed,
