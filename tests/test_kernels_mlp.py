@@ -103,6 +103,16 @@ def test_fused_cpu_gather_dtypes_and_plain_mlp(dtype, gated, activation, fused_o
     assert_close(out, ref, bound, dtype, "fused torch path")
 
 
+def test_fused_cpu_gather_accepts_parameters_with_grad(fused_on_small_shapes):
+    """Called directly on nn.Parameters with autograd on (no torch.no_grad()): still computes."""
+    case = dict(seed=4, batch=2, d=16, n=40, k=9, per_row=True, biases=False)
+    p = mlp_problem(dtype=torch.float32, gated=True, **case)
+    ref, bound = mlp_reference(p, "silu", gated=True)
+    params = {n: torch.nn.Parameter(p[n]) for n in ("w_gate", "w_up", "w_down_t")}
+    out = sparse_gated_mlp_torch(p["x"], params["w_gate"], params["w_up"], params["w_down_t"], p["idx"], "silu")
+    assert_close(out.detach(), ref, bound, torch.float32, "fused path with grad-enabled weights")
+
+
 def test_fused_cpu_gather_falls_back_when_inductor_fails(monkeypatch):
     """No C++ compiler (or any Inductor failure): one warning, then the chunked path, same result."""
     monkeypatch.setattr(mlp_mod, "FUSED_MIN_ELEMENTS", 0)

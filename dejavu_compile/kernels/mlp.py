@@ -197,8 +197,10 @@ def _chunked_gather_activate(x, w_a, w_b, idx, rows, b_a, b_b, activation) -> Te
     return h
 
 
+@torch.no_grad()
 def _mlp_torch(x, w_a, w_b, w_down_t, idx, activation, b_a, b_b, b_down, out=None) -> Tensor:
-    """Shared CPU body; w_b is None for the plain MLP. Writes every element of `out`."""
+    """Shared CPU body; w_b is None for the plain MLP. Writes every element of `out`.
+    Inference only, like the ops (no autograd formula): weights may be grad-enabled parameters."""
     nb = x.shape[0]
     rows = C.rows_2d(idx, nb)
     # Per-row idx (or batch 1): the fused loop. A shared idx over a batch takes the chunked path,
