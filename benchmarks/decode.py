@@ -99,6 +99,7 @@ def run_synthetic(args, report):
 
     from dejavu_compile import dejavu_backend
     from dejavu_compile.bench import Variant, compiled_forward, measure_decode
+    from dejavu_compile.cli import bandwidth_bound
     from dejavu_compile.passes.sparsify import prepare_model
 
     shape = SYNTHETIC_SHAPES[args.synthetic_shape]
@@ -112,23 +113,27 @@ def run_synthetic(args, report):
     densities = (0.5, 0.25)
     kwargs = {"mode": args.mode} if args.mode else {}
 
-    def dejavu(density):  # torch.compile refuses mode with options: give both to the backend
-        backend = functools.partial(dejavu_backend, mode=args.mode, options={"plan": synthetic_plan(model, density, 64)})
-        return Variant(f"dejavu {density:.2f}", compiled_forward(backend))
+    plans = {f"dejavu {d:.2f}": synthetic_plan(model, d, 64) for d in densities}
+    bounds = {name: bandwidth_bound(model, plan) for name, plan in plans.items()}
+
+    def dejavu(name):  # torch.compile refuses mode with options: give both to the backend
+        backend = functools.partial(dejavu_backend, mode=args.mode, options={"plan": plans[name]})
+        return Variant(name, compiled_forward(backend))
 
     variants = [Variant("HF eager", lambda f: f), Variant("Inductor dense", compiled_forward("inductor", **kwargs))]
-    variants += [dejavu(d) for d in densities]
+    variants += [dejavu(name) for name in plans]
     speed = measure_decode(model, ids, variants, new_tokens=args.new_tokens // 2, repeats=args.repeats)
     base = speed["Inductor dense"]["tokens_per_s"]
-    rows = [{"variant": n, "tokens_per_s": r["tokens_per_s"], "speedup_vs_inductor": r["tokens_per_s"] / base}
-            for n, r in speed.items()]
+    rows = [{"variant": n, "tokens_per_s": r["tokens_per_s"], "speedup_vs_inductor": r["tokens_per_s"] / base,
+             "bandwidth_bound": bounds.get(n, 1.0)} for n, r in speed.items()]
     key = f"synthetic_llama{args.synthetic_shape}_layers" + ("" if args.device == "cpu" else f"_{args.device}")
     report[key] = {"layers": args.synthetic_layers, **shape, "device": args.device, "dtype": args.dtype,
                    "mode": args.mode, "predictor_rank": 64, "rows": rows}
     print(f"\nLLaMA-{args.synthetic_shape}-shaped, {args.synthetic_layers} layers, random weights and predictors "
           f"(speed only), {args.device} {args.dtype}, mode={args.mode}")
     for r in rows:
-        print(f"{r['variant']:<16}{r['tokens_per_s']:>10.2f} tokens/s{r['speedup_vs_inductor']:>8.2f}x")
+        print(f"{r['variant']:<16}{r['tokens_per_s']:>10.2f} tokens/s{r['speedup_vs_inductor']:>8.2f}x"
+              f"   (bandwidth bound {r['bandwidth_bound']:.2f}x)")
 
 
 def plot(report, path):

@@ -32,3 +32,15 @@ def test_bandwidth_bound_counts_kept_rows_and_predictors():
     assert 1.0 < half < quarter
     # A predictor as large as the neurons it saves earns nothing.
     assert bandwidth_bound(model, _plan(model, 0.5, rank=96)) < half
+
+
+def test_bandwidth_bound_by_hand():
+    """Weights read per step: all but the untied input embedding (one row per token); a plan saves
+    the dropped MLP rows and pays for its predictors."""
+    model = tiny_model("llama")
+    assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
+    total = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    mlp = sum(p.numel() for name, p in model.named_parameters() if ".mlp." in name)
+    predictors = 2 * (64 * 4 + 4 * 128)
+    expected = total / (total - (0.5 * mlp - predictors))
+    assert abs(bandwidth_bound(model, _plan(model, 0.5)) - expected) < 1e-9
