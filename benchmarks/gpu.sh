@@ -35,8 +35,8 @@ step() {  # step NAME LIMIT_S COMMAND...: run with a limit, log to $OUT/NAME.txt
   tail -n 25 "$OUT/$name.txt"
 }
 
-step tests-cuda 90 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py
+step tests-cuda 150 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py
 step kernels 160 $PY benchmarks/kernels.py --out "$OUT/kernels-cuda.json"
 step decode 220 $PY benchmarks/decode.py --device cuda --dtype float16 --skip-smollm2 --synthetic-shape 7b \
   --synthetic-layers 4 --mode reduce-overhead --new-tokens 64 --repeats 3 --out "$OUT/decode-cuda.json"
-step tests-triton 100 $PY -m pytest -q -p no:cacheprovider -x tests/test_kernels_triton.py tests/test_kernels_compile.py
+step tests-triton 60 $PY -m pytest -q -p no:cacheprovider -x tests/test_kernels_triton.py tests/test_kernels_compile.py
