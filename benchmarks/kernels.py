@@ -1,6 +1,7 @@
 """Dense vs sparse decode kernels (batch 1): median times, speedup, efficiency = speedup x density.
 
-    python benchmarks/kernels.py [--quick] [--shapes llama7b smollm2] [--threads N]
+    python benchmarks/kernels.py [--quick] [--shapes llama7b smollm2] [--threads N] [--ops mlp attention bounds]
+    THP_MEM_ALLOC_ENABLE=0 python benchmarks/kernels.py ...   # without transparent huge pages
 
 CPU: fp32, dense = the torch ops a decoder runs (MLP: three F.linear; attention: q F.linear,
 RoPE, SDPA over the cache, o F.linear), sparse = the dejavu ops. CUDA (auto-detected): fp16, dense
@@ -239,6 +240,35 @@ def bench_bounds(shape, dtype, device, reps, densities, timer):
     return out
 
 
+def plot(paths, out):
+    """Efficiency (speedup x density) of the sparse MLP op vs density, one line per results file
+    and shape: where the kernels stand against the bandwidth limit (1.0)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for path in paths:
+        result = json.load(open(path))
+        m = result["machine"]
+        where = m.get("gpu") or f"CPU {m['threads']} thread{'s' if m['threads'] > 1 else ''}"
+        for name, shape in result["shapes"].items():
+            rows = [r for r in shape["rows"] if r["op"] == "gated_mlp"]
+            if rows:
+                ax.plot([r["density"] for r in rows], [r["efficiency"] for r in rows], "o-",
+                        label=f"{name}, {where}, {m['dtype'].replace('torch.', '')}")
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.set_xlabel("MLP density (fraction of neurons kept)")
+    ax.set_ylabel("efficiency = speedup x density")
+    ax.set_title("sparse_gated_mlp vs dense, batch 1 (1.0 = bandwidth limit)")
+    ax.set_ylim(0, 1.1)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few repetitions, LLaMA MLP at 0.1/0.5 only + SmolLM2")
@@ -246,7 +276,11 @@ def main(argv=None):
     ap.add_argument("--ops", nargs="+", default=["mlp", "attention", "bounds"], choices=["mlp", "attention", "bounds"])
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<device>-t<threads>.json)")
+    ap.add_argument("--plot", nargs="+", metavar="JSON", help="only plot these results files (to --out, a .png)")
     args = ap.parse_args(argv)
+    if args.plot:
+        plot(args.plot, args.out or os.path.join(os.path.dirname(__file__), "results", "kernels.png"))
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
