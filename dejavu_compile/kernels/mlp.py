@@ -11,8 +11,10 @@ down column is one contiguous row (see ``prepare.py``).
 
 CPU path (torch). The gate/up gather-GEMV of a large call (``FUSED_MIN_ELEMENTS``) is one loop that
 Inductor generates from ``w[rows] * x`` summed over d (``torch.compile``, dynamic shapes, compiled
-once per process and variant): it reads each selected row in place, vectorized, on all threads, and
-reaches 0.8-0.9 of the dense GEMV's bandwidth on LLaMA-7B rows. Small calls, and machines where
+once per process and variant): it reads each selected row in place, vectorized, gate and up rows
+in one pass, on all threads. With it the op reaches 0.74-0.83 of the bandwidth limit at 25-75%
+density on LLaMA-7B shapes (2 threads; benchmarks/kernels.py). Short rows (SmolLM2: 2.3 KB) are
+bound by DRAM latency at each row start and reach far less. Small calls, and machines where
 Inductor cannot compile, gather the selected rows in L2-sized chunks with ``index_select(out=)``
 into one reused buffer and multiply them there (about half the dense bandwidth, no compile). If gate
 and up are the two halves of one (F, 2, d) tensor (``prepare_gated_mlp_weights``), one gather
