@@ -137,6 +137,8 @@ def _fused_gather_activate(x, w_a, w_b, rows, b_a, b_b, activation) -> Optional[
     work = rows.shape[1] * x.shape[1] * (2 if w_b is not None else 1)
     if not _FUSED["enabled"] or x.device.type != "cpu" or work < FUSED_MIN_ELEMENTS:
         return None
+    if torch._dynamo.config.disable:  # TORCH_COMPILE_DISABLE=1: run uncompiled it would copy W[rows]
+        return None
     if _FUSED["fn"] is None:
         _FUSED["fn"] = torch.compile(_gather_activate, dynamic=True, fullgraph=True)
     try:
