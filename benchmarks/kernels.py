@@ -220,6 +220,8 @@ def bench_bounds(shape, dtype, device, reps, densities, timer):
     out = {}
     med = lambda fn: statistics.median([timer(lambda: fn(i)) for i in range(reps + 2)][2:])
     out["dense_gemv_GBps"] = mat_bytes / med(lambda i: F.linear(x, mats[i % len(mats)])) / 1e9
+    fused = (torch.compile(_gather_activate, dynamic=True, fullgraph=True)
+             if _FUSED["enabled"] and device.type == "cpu" else None)
     for dens in densities:
         k = max(1, round(dens * ff))
         pool = [torch.randperm(ff, generator=gen)[:k].sort().values.to(device) for _ in range(POOL)]
@@ -231,8 +233,7 @@ def bench_bounds(shape, dtype, device, reps, densities, timer):
         pre = torch.empty(k, 1, 1, dtype=dtype, device=device)
         out[f"chunked_gather_gemv_GBps@{dens}"] = sel / med(
             lambda i: _gather_gemv([mats[i % len(mats)]], pool[i % POOL], x.t(), pre)) / 1e9
-        if _FUSED["enabled"] and device.type == "cpu":
-            fused = torch.compile(_gather_activate, dynamic=True, fullgraph=True)
+        if fused is not None:
             out[f"fused_gather_gemv_GBps@{dens}"] = sel / med(
                 lambda i: fused(x, mats[i % len(mats)], None, pool[i % POOL][None], None, None, "relu")) / 1e9
         out[f"embedding_bag_GBps@{dens}"] = sel / med(

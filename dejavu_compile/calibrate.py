@@ -36,11 +36,9 @@ DEFAULT_SEQ_LEN = 256
 def _mlp_blocks(model, blocks=None) -> dict:
     """layer -> matched MLP block record (from collection, else by tracing the model once)."""
     if blocks is None:
-        from dejavu_compile.explain import explain
+        from dejavu_compile.explain import matched_blocks
 
-        device = next(model.parameters()).device
-        blocks = explain(model, torch.tensor([[1, 2]], device=device)).blocks
-        torch._dynamo.reset()
+        blocks = matched_blocks(model)
     return {b.layer: b for b in blocks if getattr(b, "kind", None) == "mlp"}
 
 

@@ -102,24 +102,23 @@ def bandwidth_bound(model, plan) -> float:
     """Dense weight bytes per decode step over the bytes the plan reads (kept MLP rows, all other
     weights, and the predictors): the speedup a purely bandwidth-bound decoder could reach.
     (KV-cache reads are left out: small at the short contexts benchmarked here.)"""
-    from dejavu_compile.explain import explain
+    from dejavu_compile.explain import matched_blocks
 
-    report = explain(model, torch.tensor([[1, 2]]))
-    torch._dynamo.reset()
     params = dict(model.named_parameters())
     nbytes = lambda p: p.numel() * p.element_size()
+    element_size = next(iter(params.values())).element_size()
     total = sum(nbytes(p) for p in {id(p): p for p in model.parameters()}.values())
     # An input embedding reads one row per token; unless the output head shares it, leave it out.
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     if embed is not None and (head is None or head.weight is not embed.weight):
         total -= nbytes(embed.weight)
     saved = 0.0
-    for block in report.blocks:
+    for block in matched_blocks(model):
         entry = plan.entries.get((block.layer, block.kind))
         if block.kind != "mlp" or entry is None or entry.dense:
             continue
         mlp = sum(nbytes(params[ref.name]) for ref in block.weights.values() if ref.name in params)
-        saved += mlp * (1.0 - entry.k / entry.total) - entry.read_bytes(next(iter(params.values())).element_size())
+        saved += mlp * (1.0 - entry.k / entry.total) - entry.read_bytes(element_size)
     return total / (total - saved)
 
 

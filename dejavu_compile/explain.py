@@ -85,3 +85,12 @@ def explain(model, *args, **kwargs) -> ExplainReport:
         compiled(*args, **kwargs)
     report.blocks.sort(key=lambda b: (b.layer, b.kind != "attention"))
     return report
+
+
+def matched_blocks(model) -> list:
+    """The blocks the backend matches in ``model``, traced once on two token ids (on the model's
+    device); Dynamo's caches are reset afterwards, so the trace leaves no graphs behind."""
+    device = next(model.parameters()).device
+    blocks = explain(model, torch.tensor([[1, 2]], device=device)).blocks
+    torch._dynamo.reset()
+    return blocks

@@ -120,11 +120,19 @@ def _gather_activate(x: Tensor, w_a: Tensor, w_b: Optional[Tensor], rows: Tensor
     over stacked gate|up rows measured slower: Inductor vectorizes the (k, 2, d) reduction worse.)"""
     xf = x.float()[:, None, :]
     a = (w_a[rows].float() * xf).sum(-1)
+    u = (w_b[rows].float() * xf).sum(-1) if w_b is not None else None
+    return _activate_rows(a, u, rows, b_a, b_b, activation)
+
+
+def _activate_rows(a: Tensor, u: Optional[Tensor], rows: Tensor, b_a: Optional[Tensor], b_b: Optional[Tensor],
+                   activation: str) -> Tensor:
+    """act(a + b_a[rows]) (* (u + b_b[rows]) when gated), in fp32 (cheap: k values per row)."""
+    a = a.float()
     if b_a is not None:
         a = a + b_a.float()[rows]
     h = C.activate(a, activation)
-    if w_b is not None:
-        u = (w_b[rows].float() * xf).sum(-1)
+    if u is not None:
+        u = u.float()
         if b_b is not None:
             u = u + b_b.float()[rows]
         h = h * u
@@ -188,17 +196,7 @@ def _chunked_gather_activate(x, w_a, w_b, idx, rows, b_a, b_b, activation) -> Te
         for b in range(nb):
             _gather_gemv(mats, rows[b], x[b, :, None], pre[b])
         pre = pre[..., 0]
-    # Biases and the activation in fp32 (cheap: k values per row).
-    a = pre[..., 0].float()
-    if b_a is not None:
-        a = a + b_a.float()[rows]
-    h = C.activate(a, activation)
-    if gated:
-        u = pre[..., 1].float()
-        if b_b is not None:
-            u = u + b_b.float()[rows]
-        h = h * u
-    return h
+    return _activate_rows(pre[..., 0], pre[..., 1] if gated else None, rows, b_a, b_b, activation)
 
 
 @torch.no_grad()
