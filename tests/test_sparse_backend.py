@@ -20,22 +20,26 @@ def _ids(batch=1, tokens=6, seed=0):
     return torch.randint(3, 120, (batch, tokens), generator=torch.Generator().manual_seed(seed))
 
 
-def _plan(model, density, *, entry_cls=PlanEntry, lookahead=True, rank=8, seed=0):
+def _plan(model, density, *, entry_cls=PlanEntry, lookahead=True, rank=8, seed=0, attn_density=None,
+          attn_entry_cls=None):
+    """Random low-rank predictors keeping `density` of each MLP's neurons and `attn_density` of each
+    attention block's heads (None: attention dense)."""
     from dejavu_compile import explain
 
     report = explain(model, _ids(1, 3))
     gen = torch.Generator().manual_seed(seed)
+    d = model.config.hidden_size
     entries = {}
     for block in report.blocks:
-        if block.kind == "mlp":
-            total = block.intermediate_size
-            k = max(1, round(total * density))
-            entries[(block.layer, "mlp")] = entry_cls(
-                block.layer, "mlp", k, total, A=torch.randn(block.hidden_size, rank, generator=gen),
-                B=torch.randn(rank, total, generator=gen), lookahead=lookahead)
-        else:
-            entries[(block.layer, "attention")] = PlanEntry(block.layer, "attention", block.num_heads,
-                                                            block.num_heads, nonlinearity="dense")
+        kind, total = (("mlp", block.intermediate_size) if block.kind == "mlp" else ("attention", block.num_heads))
+        share = density if kind == "mlp" else attn_density
+        if share is None:
+            entries[(block.layer, kind)] = PlanEntry(block.layer, kind, total, total, nonlinearity="dense")
+            continue
+        cls = entry_cls if kind == "mlp" else (attn_entry_cls or entry_cls)
+        entries[(block.layer, kind)] = cls(
+            block.layer, kind, max(1, round(total * share)), total, A=torch.randn(d, rank, generator=gen),
+            B=torch.randn(rank, total, generator=gen), lookahead=lookahead and (kind == "mlp" or block.layer > 0))
     return SparsityPlan(entries, model_fingerprint(model))
 
 
@@ -46,7 +50,7 @@ def _generate(model, ids, cache="static", options=None):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_full_density_plan_through_sparse_ops_matches_eager(arch):
     model = tiny_model(arch)
-    plan = _plan(model, 1.0, entry_cls=AlwaysSparseEntry)
+    plan = _plan(model, 1.0, entry_cls=AlwaysSparseEntry, attn_density=1.0)
     ids = _ids()
     reports = []
     options = {"plan": plan, "inner": "eager", "strict": True, "on_report": reports.append}
@@ -60,6 +64,8 @@ def test_full_density_plan_through_sparse_ops_matches_eager(arch):
     expected = torch.ops.dejavu.sparse_gated_mlp.default if arch in (
         "llama", "mistral", "qwen2", "gemma3_text", "phi3") else torch.ops.dejavu.sparse_mlp.default
     assert expected in ops
+    roles = {n.meta.get("dejavu", {}).get("role") for r in rewritten for n in r.graph.graph.nodes}
+    assert "sparse_attention" in roles, "no attention block went through the head-sparse lowering"
 
 
 def test_full_density_logits_within_fp32_tolerance_with_inductor():
@@ -97,6 +103,11 @@ def _masked_reference_llama(model, plan, ids):
         source = block.input_layernorm if entry.lookahead else block.post_attention_layernorm
         handles.append(source.register_forward_hook(keep_source))
         handles.append(block.mlp.down_proj.register_forward_pre_hook(mask_hidden))
+    return logits_with_hooks(model, ids, handles)
+
+
+def logits_with_hooks(model, ids, handles):
+    """Logits of one uncached forward, then the hooks are removed."""
     try:
         with torch.no_grad():
             return model(ids, use_cache=False).logits
@@ -237,7 +248,8 @@ def test_prepare_model_relays_out_in_place_without_changing_results():
     with torch.no_grad():
         before = model(ids).logits
     changed = prepare_model(model)
-    assert changed == [f"model.layers.{i}.mlp.down_proj.weight" for i in range(2)]
+    assert sorted(changed) == sorted([f"model.layers.{i}.mlp.down_proj.weight" for i in range(2)] +
+                                     [f"model.layers.{i}.self_attn.o_proj.weight" for i in range(2)])
     weight = model.model.layers[0].mlp.down_proj.weight
     assert weight.t().is_contiguous() and weight.shape == (64, 128)
     with torch.no_grad():

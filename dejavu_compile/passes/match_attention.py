@@ -328,7 +328,7 @@ class AttentionRule:
             module=common_module(names),
             nodes={"input": next(iter(inputs)), "core": node, "output": o_lin.out, "o": o_lin.call,
                    "o_input": cur, "q": roles["q"][0].call, "k": roles["k"][0].call, "v": roles["v"][0].call,
-                   "head_rows": head_rows, "q_heads": q_heads},
+                   "q_out": q_lin.out, "q_x": q_lin.x, "head_rows": head_rows, "q_heads": q_heads},
         )
         ctx.claim(o_lin.call, block, [node])
         return block

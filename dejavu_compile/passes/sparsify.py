@@ -50,18 +50,18 @@ def check_plan_against_blocks(plan, blocks) -> None:
             problems.append(f"layer {layer} {kind}: plan has {entry.total} {'neurons' if kind == 'mlp' else 'heads'},"
                             f" model has {total}")
         if entry.A is not None:
-            width = block.hidden_size if isinstance(block, MLPBlock) else None
+            width = block.hidden_size if isinstance(block, MLPBlock) else (shape_of(block.nodes.get("input")) or [None])[-1]
             reads = entry.A.shape[1] if entry.nonlinearity == "glu_int8" else entry.A.shape[0]
             if width is not None and reads != width:
                 problems.append(f"layer {layer} {kind}: predictor reads {reads} features, "
                                 f"the block input has {width}")
         if entry.nonlinearity == "glu_int8" and isinstance(block, MLPBlock) and not block.gated:
             problems.append(f"layer {layer} mlp: int8 gate/up predictor but the block has no gate")
-    layers = {b.layer for b in blocks}
+    layers = {b.layer for b in blocks if b.layer >= 0}  # -1: a graph of one layer's frame (graph break)
     plan_layers = {layer for layer, _ in plan.entries}
-    if blocks and max(layers) >= plan.num_layers:
+    if layers and max(layers) >= plan.num_layers:
         problems.append(f"model has layer {max(layers)} but the plan covers {plan.num_layers} layers")
-    if blocks and not (layers & plan_layers):
+    if layers and not (layers & plan_layers):
         problems.append("no layer of the model has a plan entry")
     if problems:
         raise PlanMismatchError("sparsity plan does not fit this model: " + "; ".join(problems[:6]))
@@ -192,16 +192,22 @@ def _mlp_region_nodes(block: MLPBlock) -> list[fx.Node]:
 
 
 def sparsify(gm: fx.GraphModule, example_inputs, report, opts) -> fx.GraphModule:
+    from dejavu_compile.passes.sparsify_attention import rewrite_attention, simulate_attention
+
     plan = opts["plan"]
     match = report.match
     check_plan_against_blocks(plan, match.blocks)
-    if not match.mlp:
-        report.dense_reason = "no MLP block matched"
+    if not match.blocks:
+        report.dense_reason = "no MLP or attention block matched"
         return gm
+    for block in match.blocks:
+        if block.layer < 0:
+            match.fallbacks.append((block.module, "the graph holds this block without its layer's path (a graph "
+                                                  "break inside the model), so no plan entry applies: dense"))
     tokens = {b.tokens for b in match.blocks}
     batch = max(b.batch for b in match.blocks)
     if opts.get("simulate"):
-        return _simulate(gm, match, plan, report, example_inputs)
+        return _simulate(gm, match, plan, report, example_inputs, simulate_attention)
     if tokens != {1}:
         report.dense_reason = f"prefill-shaped graph ({max(tokens)} tokens per sequence): dense"
         return gm
@@ -221,32 +227,36 @@ def sparsify(gm: fx.GraphModule, example_inputs, report, opts) -> fx.GraphModule
             match.fallbacks.append((block.module, f"activation {block.activation!r} has no sparse kernel"))
             continue
         _rewrite_mlp(gm, graph, block, entry, ordered, values, report, opts)
+    for block in match.attention:
+        entry = plan.entries.get((block.layer, "attention"))
+        if entry is not None and not entry.dense:
+            rewrite_attention(gm, graph, block, entry, ordered, values, report, match.fallbacks)
     graph.lint()
     gm.recompile()
     return gm
 
 
-def _insert_selection(gm, graph, block: MLPBlock, entry, ordered, values):
+def _insert_selection(gm, graph, block, entry, ordered, values):
     """Predictor and top-k, right after the input they read (as early as their inputs allow).
 
-    Returns (flat (tokens, k) neuron ids, the node the predictor reads)."""
+    Returns (flat (tokens, k) neuron or head ids, the node the predictor reads)."""
     x = block.nodes["input"]
-    weight_value = values.get(block.up.node)
+    weight_value = values.get(block.up.node if isinstance(block, MLPBlock) else block.o.node)
     dtype = weight_value.dtype if weight_value is not None else torch.float32
     device = weight_value.device if weight_value is not None else torch.device("cpu")
     source = _previous_input(block, ordered) if entry.lookahead else x
     with graph.inserting_before(source.next):
         flat_source = graph.call_method("reshape", (source, -1, shape_of(source)[-1]))
-        scores = _emit_predictor(gm, graph, entry, flat_source, f"dejavu_L{block.layer}_mlp", dtype, device)
+        scores = _emit_predictor(gm, graph, entry, flat_source, f"dejavu_L{block.layer}_{block.kind}", dtype, device)
         top = graph.call_function(torch.topk, (scores, entry.k), {"dim": -1, "sorted": False})
         idx = graph.call_function(operator.getitem, (top, 1))
     for node in (scores, idx):
         node.meta["dejavu"] = {"role": "predictor" if node is scores else "topk", "layer": block.layer,
-                               "kind": "mlp", "reads": source.name, "lookahead": source is not x}
+                               "kind": block.kind, "reads": source.name, "lookahead": source is not x}
     return idx, source
 
 
-def _simulate(gm, match, plan, report, example_inputs) -> fx.GraphModule:
+def _simulate(gm, match, plan, report, example_inputs, simulate_attention) -> fx.GraphModule:
     """Masked dense simulation: the same predictors and top-k, applied as a 0/1 mask on the
     activations before the dense down projection. Exact per token, any number of tokens (so it
     evaluates perplexity in one prefill pass); reads every weight, so it is not faster."""
@@ -269,6 +279,10 @@ def _simulate(gm, match, plan, report, example_inputs) -> fx.GraphModule:
             masked = graph.call_method("view_as", (masked_flat, hidden))
         hidden.replace_all_uses_with(masked, delete_user_cb=lambda user: user not in (flat, masked))
         report.rewritten.append(f"layer {block.layer} mlp: masked simulation, {entry.k}/{entry.total} neurons")
+    for block in match.attention:
+        entry = plan.entries.get((block.layer, "attention"))
+        if entry is not None and not entry.dense:
+            simulate_attention(gm, graph, block, entry, ordered, values, report)
     graph.lint()
     gm.recompile()
     return gm
@@ -299,12 +313,7 @@ def _emit_decomposed(graph, block, x2d, idx, k, w_gate, b_gate, w_up, b_up, w_do
     xb = graph.call_method("unsqueeze", (x2d, -1))  # (B, d, 1)
 
     def project(weight, bias):
-        rows = graph.call_function(torch.index_select, (weight, 0, flat_idx))  # (B*k, d)
-        rows = graph.call_method("view", (rows, -1, _size(graph, idx, -1), _size(graph, weight, 1)))  # (B, k, d)
-        value = graph.call_method("squeeze", (graph.call_function(torch.bmm, (rows, xb)), -1))  # (B, k)
-        if bias is not None:
-            value = graph.call_function(operator.add, (value, graph.call_function(operator.getitem, (bias, idx))))
-        return value
+        return _gather_gemv(graph, weight, bias, idx, flat_idx, xb)
 
     fn, kwargs = _ACT_FN[block.activation]
     if block.gated:
@@ -312,23 +321,51 @@ def _emit_decomposed(graph, block, x2d, idx, k, w_gate, b_gate, w_up, b_up, w_do
                                                     project(w_up, b_up)))
     else:
         hidden = graph.call_function(fn, (project(w_up, b_up),), kwargs)
-    # One bag per row runs on one thread: cut each row's k ids into `bags` bags (summed after), so
-    # the row sums run on all cores (SmolLM2 shapes, 2 threads: 104 -> 59 us per layer at k=768).
-    bags = next((s for s in (4, 3, 2) if k % s == 0 and k // s >= 32), 1)
+    return _weighted_row_sum(graph, idx, hidden, k, w_down_t, b_down)
+
+
+def _gather_gemv(graph, weight, bias, idx, flat_idx, xb) -> fx.Node:
+    """(B, n) = weight[idx[b]] . x_b (+ bias[idx]): index_select + one-column bmm, which Inductor on
+    CPU fuses into one loop reading the selected rows in place."""
+    rows = graph.call_function(torch.index_select, (weight, 0, flat_idx))  # (B*n, d)
+    rows = graph.call_method("view", (rows, -1, _size(graph, idx, -1), _size(graph, weight, 1)))  # (B, n, d)
+    value = graph.call_method("squeeze", (graph.call_function(torch.bmm, (rows, xb)), -1))  # (B, n)
+    if bias is not None:
+        value = graph.call_function(operator.add, (value, graph.call_function(operator.getitem, (bias, idx))))
+    return value
+
+
+def _weighted_row_sum(graph, idx, weights, n, table, bias) -> fx.Node:
+    """(B, out) = sum_j weights[b, j] * table[idx[b, j]] (+ bias): embedding_bag, rows read in place.
+
+    One bag per row runs on one thread: each row's n ids are cut into `bags` bags (summed after), so
+    the row sums run on all cores (SmolLM2 MLP shapes, 2 threads: 104 -> 59 us per layer at n=768)."""
+    bags = next((s for s in (4, 3, 2) if n % s == 0 and n // s >= 32), 1)
     if bags > 1:
-        idx = graph.call_method("reshape", (idx, -1, k // bags))
-        hidden = graph.call_method("reshape", (hidden, -1, k // bags))
-    out = graph.call_function(torch.nn.functional.embedding_bag, (idx, w_down_t),
-                              {"mode": "sum", "per_sample_weights": hidden})
+        idx = graph.call_method("reshape", (idx, -1, n // bags))
+        weights = graph.call_method("reshape", (weights, -1, n // bags))
+    out = graph.call_function(torch.nn.functional.embedding_bag, (idx, table),
+                              {"mode": "sum", "per_sample_weights": weights})
     if bags > 1:
-        out = graph.call_method("sum", (graph.call_method("view", (out, -1, bags, _size(graph, w_down_t, 1))), 1))
-    if b_down is not None:
-        out = graph.call_function(operator.add, (out, b_down))
+        out = graph.call_method("sum", (graph.call_method("view", (out, -1, bags, _size(graph, table, 1))), 1))
+    if bias is not None:
+        out = graph.call_function(operator.add, (out, bias))
     return out
 
 
 def _size(graph, node, dim) -> fx.Node:
     return graph.call_method("size", (node, dim))
+
+
+def _transposed_weight(gm, graph, ref: WeightRef, value, name: str, report, what: str) -> fx.Node:
+    """A projection's weight as (in, out) rows, one contiguous row per input feature."""
+    if ref.layout == "in_out":  # Conv1D is (in, out): already the transposed layout
+        return ref.node
+    if value is not None and value.t().is_contiguous():
+        return graph.call_method("t", (ref.node,))  # stored transposed: a free view
+    report.rewritten.append(f"{what} weight copied transposed "
+                            "(call dejavu_compile.prepare_model(model) to avoid the copy)")
+    return _const(gm, graph, name, value.detach().t().contiguous())
 
 
 def _rewrite_mlp(gm, graph, block: MLPBlock, entry, ordered, values, report, opts) -> None:
@@ -340,14 +377,8 @@ def _rewrite_mlp(gm, graph, block: MLPBlock, entry, ordered, values, report, opt
     down_value = values.get(block.down.node)
     with graph.inserting_before(block.nodes["down"]):
         x2d = graph.call_method("reshape", (x, -1, shape_of(x)[-1]))
-        if block.down.layout == "in_out":  # Conv1D c_proj is (F, d): already the transposed layout
-            w_down_t = block.down.node
-        elif down_value is not None and down_value.t().is_contiguous():
-            w_down_t = graph.call_method("t", (block.down.node,))  # stored transposed: a free view
-        else:
-            w_down_t = _const(gm, graph, f"{prefix}_w_down_t", down_value.detach().t().contiguous())
-            report.rewritten.append(f"layer {block.layer} mlp: copied the down weight transposed "
-                                    "(call dejavu_compile.prepare_model(model) to avoid the copy)")
+        w_down_t = _transposed_weight(gm, graph, block.down, down_value, f"{prefix}_w_down_t", report,
+                                      f"layer {block.layer} mlp: down")
         b_down = block.down.bias_node
         w_up = _rows_view(graph, block.up, values.get(block.up.node))
         b_up = _bias_view(graph, block.up)
@@ -374,11 +405,12 @@ def _rewrite_mlp(gm, graph, block: MLPBlock, entry, ordered, values, report, opt
 
 
 def prepare_model(model, *example_args, **example_kwargs) -> list[str]:
-    """Store each matched MLP's down-projection weight transposed, in place (values unchanged).
+    """Store each matched MLP's down-projection weight and each attention block's output-projection
+    weight transposed, in place (values unchanged).
 
-    The sparse kernels read a neuron's down weights as one contiguous row of ``W_down^T``; with the
-    parameter stored that way the compiled graph uses a free view instead of holding a transposed
-    copy. Dense ``F.linear`` reads the transposed storage just as fast. Call before compiling.
+    The sparse kernels read a neuron's down weights (a head's output weights) as contiguous rows of
+    ``W^T``; with the parameter stored that way the compiled graph uses a free view instead of holding
+    a transposed copy. Dense ``F.linear`` reads the transposed storage just as fast. Call before compiling.
     Returns the names of the parameters re-laid out. Without example inputs, two token ids are used.
     """
     from dejavu_compile.explain import explain
@@ -390,13 +422,14 @@ def prepare_model(model, *example_args, **example_kwargs) -> list[str]:
     params = dict(model.named_parameters())
     changed = []
     for block in report.blocks:
-        if not isinstance(block, MLPBlock) or block.down.layout != "out_in":
+        ref = block.down if isinstance(block, MLPBlock) else block.o
+        if ref.layout != "out_in":
             continue
-        param = params.get(block.down.name)
+        param = params.get(ref.name)
         if param is None or param.t().is_contiguous():
             continue
         with torch.no_grad():
             param.data = param.data.t().contiguous().t()
-        changed.append(block.down.name)
+        changed.append(ref.name)
     torch._dynamo.reset()  # graphs traced before were specialised on the old strides
     return changed

@@ -1,0 +1,169 @@
+"""Head-sparse attention on decode-shaped graphs, and its masked simulation.
+
+For each attention block with a sparse plan entry (k of H query heads):
+1. the predictor (on the previous block's input, with lookahead) and top-k pick the query heads;
+2. the query projection computes only the selected heads' rows (gather-GEMV, rows read in place)
+   and scatters them into an otherwise zero query tensor, so the model's own head reshapes, rotary
+   and per-head norm code run unchanged (the other heads' zeros are never read);
+3. attention runs on the selected heads only: their queries and, for each, the keys/values of the
+   KV head it reads (MHA, GQA, MQA), taken from the tensors the model attends over. The K and V
+   projections and the cache update are the model's own and untouched, so the cache stays exact;
+4. the output projection reads only the selected heads' rows of its transposed weight
+   (embedding_bag).
+
+Graph-level rather than one fused op (``dejavu::sparse_head_attention`` is the standalone op): the
+model's rotary variant, q scaling and per-head norms are reused as traced, so no architecture needs
+its own code. What a step cannot prove safe stays dense and is reported: the query projection when
+it is fused with K/V or normalised across heads, the whole block when attention is not SDPA.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from dejavu_compile.blocks import AttentionBlock
+from dejavu_compile.passes.graph_utils import shape_of
+from dejavu_compile.passes.sparsify import (_const, _erase_unused, _gather_gemv, _insert_selection, _rows_view,
+                                            _bias_view, _size, _transposed_weight, _weighted_row_sum)
+
+
+def _core_args(core: fx.Node) -> dict:
+    """SDPA's arguments by name (they may be positional or keywords)."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    bound = dict(zip(names, core.args))
+    bound.update(core.kwargs)
+    return bound
+
+
+def simulate_attention(gm, graph, block: AttentionBlock, entry, ordered, values, report) -> None:
+    """Masked simulation: the unselected heads' attention outputs are zeroed before the output
+    projection (exact per token, any number of tokens; reads every weight)."""
+    idx, _ = _insert_selection(gm, graph, block, entry, ordered, values)
+    core = block.nodes["core"]  # (B, H, T, D)
+    users = list(core.users)
+    with graph.inserting_before(core.next):
+        scores = idx.args[0].args[0]  # idx = topk(scores, k)[1]
+        mask = graph.call_function(torch.scatter, (graph.call_function(torch.zeros_like, (scores,)), -1, idx, 1.0))
+        mask = graph.call_method("reshape", (mask, _size(graph, core, 0), _size(graph, core, 2), block.num_heads))
+        mask = graph.call_method("unsqueeze", (graph.call_method("permute", (mask, 0, 2, 1)), -1))
+        masked = graph.call_function(operator.mul, (core, graph.call_method("type_as", (mask, core))))
+    core.replace_all_uses_with(masked, delete_user_cb=lambda user: user in users)
+    report.rewritten.append(f"layer {block.layer} attention: masked simulation, {entry.k}/{entry.total} heads")
+
+
+def _query_is_private(block: AttentionBlock, q: fx.Node) -> str | None:
+    """None when the query projection's output feeds only the attention's query, else why not."""
+    if block.q.rows is not None:
+        return "query projection fused with key/value"
+    if block.qk_norm == "across_heads":
+        return "query norm across heads"
+    ancestors, stack = {q}, [q]
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a not in ancestors:
+                ancestors.add(a)
+                stack.append(a)
+    stack = [block.nodes["q_out"]]
+    while stack:
+        node = stack.pop()
+        for user in node.users if node is not q else ():
+            if user not in ancestors:
+                return f"query projection output also feeds {user.name}"
+            stack.append(user)
+    return None
+
+
+def _rewrite_query(gm, graph, block: AttentionBlock, idx, k, values) -> None:
+    """q projection of the selected heads' rows, scattered into a zero tensor of the full width."""
+    q_out, q_call, x = block.nodes["q_out"], block.nodes["q"], block.nodes["q_x"]
+    weight = values.get(block.q.node)
+    width = shape_of(q_out)[-1]
+    table = block.nodes["head_rows"]["q"].to(device=weight.device if weight is not None else "cpu")
+    rows_of_head = _const(gm, graph, f"dejavu_L{block.layer}_attention_q_rows", table)  # (H, D)
+    with graph.inserting_before(q_call):
+        x2d = graph.call_method("reshape", (x, -1, shape_of(x)[-1]))
+        rows = graph.call_method("reshape", (graph.call_function(operator.getitem, (rows_of_head, idx)),
+                                             -1, k * block.head_dim))  # (B, k*D)
+        flat_rows = graph.call_method("reshape", (rows, -1))
+        xb = graph.call_method("unsqueeze", (x2d, -1))
+        w_q = _rows_view(graph, block.q, weight)
+        selected = _gather_gemv(graph, w_q, _bias_view(graph, block.q), rows, flat_rows, xb)  # (B, k*D)
+        full = graph.call_method("new_zeros", (x2d, (_size(graph, x2d, 0), width)))
+        full = graph.call_function(torch.scatter, (full, 1, rows, selected))
+        lead = graph.call_function(operator.getitem, (graph.call_method("size", (x,)), slice(None, -1)))
+        shaped = graph.call_method("reshape", (full, graph.call_function(operator.add, (lead, (width,)))))
+    q_out.replace_all_uses_with(shaped)
+    _erase_unused(graph, [q_out, q_call])
+
+
+def rewrite_attention(gm, graph, block: AttentionBlock, entry, ordered, values, report, fallbacks) -> None:
+    core = block.nodes["core"]
+    where = f"layer {block.layer} attention"
+    if block.attention != "sdpa":
+        fallbacks.append((block.module, "head-sparse attention needs scaled_dot_product_attention "
+                                        f"(this block runs {block.attention} attention): dense"))
+        return
+    args = _core_args(core)
+    key_heads = shape_of(args["key"])[1]
+    H, D, k = block.num_heads, block.head_dim, entry.k
+    if key_heads not in (H, block.num_kv_heads) or H % key_heads:
+        fallbacks.append((block.module, f"attention reads {key_heads} key heads for {H} query heads: dense"))
+        return
+    mask = args.get("attn_mask")
+    if isinstance(mask, fx.Node) and (shape_of(mask) is None or len(shape_of(mask)) != 4
+                                      or shape_of(mask)[1] not in (1, H)):
+        fallbacks.append((block.module, f"attention mask of shape {shape_of(mask)}: dense"))
+        return
+    idx, source = _insert_selection(gm, graph, block, entry, ordered, values)
+
+    # 1. Queries of the selected heads only, where the projection belongs to the query alone.
+    not_private = _query_is_private(block, args["query"])
+    if not_private is None:
+        _rewrite_query(gm, graph, block, idx, k, values)
+    else:
+        report.rewritten.append(f"{where}: query projection kept dense ({not_private})")
+
+    # 2. Attention over the selected heads and the KV heads they read.
+    with graph.inserting_before(core):
+        heads = graph.call_method("reshape", (idx, -1, k, 1, 1))  # (B, k, 1, 1)
+        kv_heads = heads if key_heads == H else graph.call_function(
+            torch.div, (heads, H // key_heads), {"rounding_mode": "floor"})
+        new = dict(args)
+        new["query"] = graph.call_function(torch.take_along_dim, (args["query"], heads, 1))
+        new["key"] = graph.call_function(torch.take_along_dim, (args["key"], kv_heads, 1))
+        new["value"] = graph.call_function(torch.take_along_dim, (args["value"], kv_heads, 1))
+        if isinstance(mask, fx.Node) and shape_of(mask)[1] == H:
+            new["attn_mask"] = graph.call_function(torch.take_along_dim, (mask, heads, 1))
+        if "enable_gqa" in new:
+            new["enable_gqa"] = False  # each selected query head now has its own key/value head
+        positional = ("query", "key", "value")
+        attn = graph.call_function(core.target, tuple(new.pop(name) for name in positional), new)  # (B, k, 1, D)
+
+    # 3. Output projection over the selected heads' rows of its transposed weight.
+    o_call, o_out, o_input = block.nodes["o"], block.nodes["output"], block.nodes["o_input"]
+    with graph.inserting_before(o_call):
+        w_o_t = _transposed_weight(gm, graph, block.o, values.get(block.o.node),
+                                   f"dejavu_L{block.layer}_attention_w_o_t", report, f"{where}: output")
+        offsets = graph.call_function(torch.arange, (D,), {"device": _device_of(values, block)})
+        rows = graph.call_function(operator.add, (graph.call_function(operator.mul, (heads, D)), offsets))
+        rows = graph.call_method("reshape", (rows, -1, k * D))  # head h owns rows h*D:(h+1)*D (matcher-checked)
+        weights = graph.call_method("reshape", (attn, -1, k * D))
+        out = _weighted_row_sum(graph, rows, weights, k * D, w_o_t, block.o.bias_node)
+        lead = graph.call_function(operator.getitem, (graph.call_method("size", (o_input,)), slice(None, -1)))
+        shaped = graph.call_method("reshape", (out, graph.call_function(operator.add, (lead, (_size(graph, w_o_t, 1),)))))
+    out.meta["dejavu"] = {"role": "sparse_attention", "layer": block.layer, "k": k}
+    o_out.replace_all_uses_with(shaped)
+    region = [o_out, o_call]
+    node = o_input
+    while node is not core:  # the reshapes between attention output and output projection
+        region.append(node)
+        node = node.args[0]
+    _erase_unused(graph, region + [core])
+    report.rewritten.append(f"{where}: {k}/{H} heads{' (lookahead)' if source is not block.nodes['input'] else ''}")
+
+
+def _device_of(values, block: AttentionBlock):
+    weight = values.get(block.o.node)
+    return weight.device if weight is not None else torch.device("cpu")
