@@ -23,19 +23,27 @@ import torch
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
-def synthetic_plan(model, density: float, rank: int, seed: int = 0):
+def synthetic_plan(model, density: float, rank: int, seed: int = 0, attn_density: float = 1.0):
     """Random low-rank predictors (speed only: shapes and k matter, not what is selected)."""
     from dejavu_compile.plan import PlanEntry, SparsityPlan, model_fingerprint
 
     cfg = model.config
     gen = torch.Generator().manual_seed(seed)
+    d = cfg.hidden_size
     entries = {}
     for layer in range(cfg.num_hidden_layers):
-        total = cfg.intermediate_size
-        entries[(layer, "mlp")] = PlanEntry(layer, "mlp", max(1, round(total * density)), total,
-                                            A=torch.randn(cfg.hidden_size, rank, generator=gen) / cfg.hidden_size ** 0.5,
-                                            B=torch.randn(rank, total, generator=gen), lookahead=True)
+        parts = [("mlp", cfg.intermediate_size, density, rank)]
+        if attn_density < 1.0:
+            parts.append(("attention", cfg.num_attention_heads, attn_density, 16))
+        for kind, total, share, r in parts:
+            entries[(layer, kind)] = PlanEntry(layer, kind, max(1, round(total * share)), total,
+                                               A=torch.randn(d, r, generator=gen) / d ** 0.5,
+                                               B=torch.randn(r, total, generator=gen), lookahead=kind == "mlp" or layer > 0)
     return SparsityPlan(entries, model_fingerprint(model))
+
+
+def _heads(attn_density: float) -> str:
+    return "" if attn_density >= 1.0 else f" h{attn_density:.2f}"
 
 
 def run_smollm2(args, report):
@@ -48,13 +56,15 @@ def run_smollm2(args, report):
     from dejavu_compile.passes.sparsify import prepare_model
 
     model, tok = load_smollm2()
-    builders = {p: calibrate(model, tok, predictor=p, return_builder=True) for p in args.predictors}
+    builders = {p: calibrate(model, tok, predictor=p, attn_density=args.attn_density, return_builder=True)
+                for p in args.predictors}
     prepare_model(model)
     ids = tok(DEMO_PROMPT, return_tensors="pt").input_ids
     chunks = tokenize_chunks(tok, wiki_articles("eval"), seq_len=256, max_tokens=args.eval_tokens)
     news = tokenize_chunks(tok, news_texts(), seq_len=256, max_tokens=args.eval_tokens)
     dense_ppl, dense_news = perplexity(model, chunks), perplexity(model, news)
-    plans = {f"dejavu {p} {d:.2f}": build(d) for p, build in builders.items() for d in args.densities}
+    plans = {f"dejavu {p} {d:.2f}{_heads(args.attn_density)}": build(d)
+             for p, build in builders.items() for d in args.densities}
     variants = [Variant("HF eager", lambda f: f), Variant("Inductor dense", compiled_forward("inductor"))]
     variants += [Variant(name, compiled_forward("dejavu", options={"plan": plan})) for name, plan in plans.items()]
     speed = measure_decode(model, ids, variants, new_tokens=args.new_tokens, repeats=args.repeats)
@@ -68,7 +78,8 @@ def run_smollm2(args, report):
             ppl, ppl_news = perplexity(model, chunks, plan, progress=True), perplexity(model, news, plan)
             bound = bandwidth_bound(model, plan)
             mlp = [e for e in plan.entries.values() if e.kind == "mlp"]
-            entry.update(predictor=plan.settings.get("predictor"), mlp_density=plan.mlp_density, perplexity=ppl,
+            entry.update(predictor=plan.settings.get("predictor"), mlp_density=plan.mlp_density,
+                         attn_density=plan.attn_density, perplexity=ppl,
                          ppl_increase=ppl / dense_ppl - 1, news_ppl_increase=ppl_news / dense_news - 1,
                          mean_recall=sum(e.stats.get("recall", 1.0) for e in mlp) / len(mlp),
                          lookahead=any(e.lookahead for e in mlp),
@@ -79,10 +90,10 @@ def run_smollm2(args, report):
     report["smollm2"] = rows
     print(f"\nSmolLM2-135M, CPU fp32, batch 1, static cache, {args.new_tokens} new tokens "
           f"(held-out perplexity on {sum(c.numel() for c in chunks)} Wikipedia tokens, dense {dense_ppl:.2f})")
-    print(f"{'variant':<22}{'MLP density':>12}{'tokens/s':>10}{'speedup':>9}{'bound':>7}{'eff.':>6}{'recall':>7}"
+    print(f"{'variant':<28}{'MLP density':>12}{'tokens/s':>10}{'speedup':>9}{'bound':>7}{'eff.':>6}{'recall':>7}"
           f"{'ppl':>8}{'Δppl wiki':>10}{'news':>8}")
     for r in rows:
-        print(f"{r['variant']:<22}{r['mlp_density']:>12.2f}{r['tokens_per_s']:>10.2f}{r['speedup_vs_inductor']:>8.2f}x"
+        print(f"{r['variant']:<28}{r['mlp_density']:>12.2f}{r['tokens_per_s']:>10.2f}{r['speedup_vs_inductor']:>8.2f}x"
               f"{r.get('bandwidth_bound', 1.0):>6.2f}x{r.get('efficiency', 1.0):>6.2f}{r.get('mean_recall', 1.0):>7.2f}"
               f"{r['perplexity']:>8.2f}{r['ppl_increase']:>+10.1%}{r['news_ppl_increase']:>+8.1%}")
 
@@ -113,7 +124,9 @@ def run_synthetic(args, report):
     densities = (0.5, 0.25)
     kwargs = {"mode": args.mode} if args.mode else {}
 
-    plans = {f"dejavu {d:.2f}": synthetic_plan(model, d, 64) for d in densities}
+    head_densities = dict.fromkeys((1.0, args.attn_density))  # with heads: also without, in the same process
+    plans = {f"dejavu {d:.2f}{_heads(a)}": synthetic_plan(model, d, 64, attn_density=a)
+             for d in densities for a in head_densities}
     bounds = {name: bandwidth_bound(model, plan) for name, plan in plans.items()}
 
     def dejavu(name):  # torch.compile refuses mode with options: give both to the backend
@@ -127,12 +140,13 @@ def run_synthetic(args, report):
     rows = [{"variant": n, "tokens_per_s": r["tokens_per_s"], "speedup_vs_inductor": r["tokens_per_s"] / base,
              "bandwidth_bound": bounds.get(n, 1.0)} for n, r in speed.items()]
     key = f"synthetic_llama{args.synthetic_shape}_layers" + ("" if args.device == "cpu" else f"_{args.device}")
-    report[key] = {"layers": args.synthetic_layers, **shape, "device": args.device, "dtype": args.dtype,
+    report[key] = {"layers": args.synthetic_layers, **shape, "attn_density": args.attn_density,
+                   "device": args.device, "dtype": args.dtype,
                    "mode": args.mode, "predictor_rank": 64, "rows": rows}
     print(f"\nLLaMA-{args.synthetic_shape}-shaped, {args.synthetic_layers} layers, random weights and predictors "
           f"(speed only), {args.device} {args.dtype}, mode={args.mode}")
     for r in rows:
-        print(f"{r['variant']:<16}{r['tokens_per_s']:>10.2f} tokens/s{r['speedup_vs_inductor']:>8.2f}x"
+        print(f"{r['variant']:<24}{r['tokens_per_s']:>10.2f} tokens/s{r['speedup_vs_inductor']:>8.2f}x"
               f"   (bandwidth bound {r['bandwidth_bound']:.2f}x)")
 
 
@@ -167,6 +181,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--densities", type=float, nargs="+", default=[0.5, 0.6, 0.75, 0.98])
     ap.add_argument("--predictors", nargs="+", default=["lowrank", "int8"], choices=["lowrank", "int8"])
+    ap.add_argument("--attn-density", type=float, default=1.0,
+                    help="share of query heads kept (head predictors trained by calibration; 1.0: attention dense)")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--eval-tokens", type=int, default=4096)

@@ -35,7 +35,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--calib-tokens", type=int, default=8192)
     ap.add_argument("--methods", nargs="*", default=["oracle", "int8", "learned_lookahead", "learned", "cats", "teal"])
+    ap.add_argument("--head-densities", type=float, nargs="*", default=[],
+                    help="also sweep attention head density (MLP dense): oracle heads vs learned head predictors")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--name", default="quality", help="file stem of the JSON and PNG written under --out")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     densities = args.densities or ([0.5] if args.quick else [0.3, 0.4, 0.5, 0.6, 0.75])
@@ -70,7 +73,7 @@ def main(argv=None) -> int:
             row[f"{name}_ppl"] = ppl
             row[f"{name}_increase"] = ppl / dense[name] - 1.0
         rows.append(row)
-        print(f"{method:18s} density {density:.2f}  wiki {row['wiki_increase']:+7.2%}  news {row['news_increase']:+7.2%}", flush=True)
+        print(f"{method:24s} density {row.get('attn_density', density):.2f}  wiki {row['wiki_increase']:+7.2%}  news {row['news_increase']:+7.2%}", flush=True)
 
     builders = {}
     for method in args.methods:
@@ -108,6 +111,20 @@ def main(argv=None) -> int:
                 }
                 record(method, density, plan_selector(plan), extra)
 
+    # Attention heads (MLP dense): the true top heads per token vs the learned head predictors.
+    head_rows = []
+    for density in args.head_densities:
+        record("oracle_heads", 1.0, oracle_selector(1.0, density), {"attn_density": density})
+        for lookahead in (False, True):
+            plan = calibrate(model, tok, attn_density=density, lookahead=lookahead, samples=samples, progress=False,
+                             return_builder=True)(1.0)
+            heads = [plan.entry(l, "attention") for l in range(plan.num_layers)]
+            record("learned_heads" + ("_lookahead" if lookahead else ""), 1.0, plan_selector(plan),
+                   {"attn_density": density, "plan_attn_density": plan.attn_density,
+                    "mean_recall": sum(e.stats.get("recall", 1.0) for e in heads) / len(heads)})
+    head_rows = [r for r in rows if "attn_density" in r]
+    rows = [r for r in rows if "attn_density" not in r]
+
     # Default operating point (what `calibrate()` returns with its defaults: lookahead, DEFAULT_MLP_DENSITY).
     if "learned_lookahead" in builders:
         default_plan = builders["learned_lookahead"](DEFAULT_MLP_DENSITY)
@@ -133,6 +150,11 @@ def main(argv=None) -> int:
     print(f"{'method':18s} {'density':>7s} {'wiki':>8s} {'news':>8s}")
     for r in rows:
         print(f"{r['method']:18s} {r['mlp_density']:7.3f} {r['wiki_increase']:+8.2%} {r['news_increase']:+8.2%}")
+    if head_rows:
+        print(f"\n{'heads (MLP dense)':24s} {'density':>7s} {'recall':>7s} {'wiki':>8s} {'news':>8s}")
+        for r in head_rows:
+            print(f"{r['method']:24s} {r.get('plan_attn_density', r['attn_density']):7.3f} {r.get('mean_recall', 1.0):7.3f}"
+                  f" {r['wiki_increase']:+8.2%} {r['news_increase']:+8.2%}")
     cfg = model.config
     d, F = cfg.hidden_size, cfg.intermediate_size
     cost = {"block_params": 3 * d * F, "block_flops_per_token": 6 * d * F,
@@ -140,7 +162,7 @@ def main(argv=None) -> int:
     result = {
         "label": SIM_LABEL, "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized fp32)",
         "eval_tokens": {k: sum(c.numel() for c in v) for k, v in sets.items()}, "dense": dense,
-        "rows": rows, "per_layer": per_layer, "default_plan": default_plan.settings, "cost": cost,
+        "rows": rows, "head_rows": head_rows, "per_layer": per_layer, "default_plan": default_plan.settings, "cost": cost,
         "collect_s": collect_s, "total_s": time.time() - t0,
         "notes": {
             "teal": "density = share of the MLP input channels kept (largest |x|), gate/up/down run on "
@@ -151,9 +173,10 @@ def main(argv=None) -> int:
                     "k per layer by greedy budget; predictor reads 1/6 of the fp32 block's bytes",
         },
     }
-    (out / "quality.json").write_text(json.dumps(result, indent=1))
-    _plot(rows, out / "quality.png")
-    print(f"\nwrote {out/'quality.json'} and {out/'quality.png'} in {time.time()-t0:.0f} s")
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+    if rows:
+        _plot(rows, out / f"{args.name}.png")
+    print(f"\nwrote {out / args.name}.json in {time.time()-t0:.0f} s")
     return 0
 
 

@@ -151,6 +151,7 @@ def calibrate(
 
     preds: dict[tuple[int, str], dict] = {}
     val_scores: dict[int, torch.Tensor] = {}
+    val_heads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (head scores, true importance)
     curves: dict[str, dict[int, dict[int, float]]] = {"mlp": {}, "attention": {}}
     for l in tqdm(layers, desc="train predictors", disable=not progress, unit="layer"):
         s = samples[l]
@@ -183,6 +184,7 @@ def calibrate(
             with torch.no_grad():
                 sa = p(xa[val_idx])
             ia = s.attn_importance[val_idx]
+            val_heads[l] = (sa, ia)
             curves["attention"][l] = {k: 1.0 - m for k, m in mass_curve(sa, ia, grid_att).items()}
 
     # Bytes a sparse layer reads for its predictor, as a share of the dense block's bytes.
@@ -220,8 +222,11 @@ def calibrate(
                 entries[(l, "attention")] = PlanEntry(l, "attention", H, H, nonlinearity="dense")
             else:
                 ta = preds[(l, "attention")]
+                sa, ia = val_heads[l]
+                head_stats = {"recall": recall(sa, ia, ka), "mass": mass_captured(sa, ia, ka),
+                              "oracle_mass": mass_captured(ia, ia, ka)}
                 entries[(l, "attention")] = PlanEntry(l, "attention", ka, H, ta["A"], ta["B"], ta.get("a"), ta.get("b"),
-                                                      "none", lookahead=lookahead and l > 0)
+                                                      "none", lookahead=lookahead and l > 0, stats=head_stats)
         settings = {
             "method": ("dejavu-glu-int8" if predictor == "int8" else "dejavu-glu-lowrank") if gated else "dejavu-lowrank",
             "predictor": predictor,

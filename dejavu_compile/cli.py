@@ -99,9 +99,10 @@ def demo(argv=None) -> int:
 
 
 def bandwidth_bound(model, plan) -> float:
-    """Dense weight bytes per decode step over the bytes the plan reads (kept MLP rows, all other
-    weights, and the predictors): the speedup a purely bandwidth-bound decoder could reach.
-    (KV-cache reads are left out: small at the short contexts benchmarked here.)"""
+    """Dense weight bytes per decode step over the bytes the plan reads (kept MLP rows, kept heads'
+    query and output rows, all other weights, and the predictors): the speedup a purely
+    bandwidth-bound decoder could reach. (KV-cache reads are left out: small at the short contexts
+    benchmarked here.) A query projection fused with K/V is read whole, as the backend does."""
     from dejavu_compile.explain import matched_blocks
 
     params = dict(model.named_parameters())
@@ -115,10 +116,14 @@ def bandwidth_bound(model, plan) -> float:
     saved = 0.0
     for block in matched_blocks(model):
         entry = plan.entries.get((block.layer, block.kind))
-        if block.kind != "mlp" or entry is None or entry.dense:
+        if entry is None or entry.dense:
             continue
-        mlp = sum(nbytes(params[ref.name]) for ref in block.weights.values() if ref.name in params)
-        saved += mlp * (1.0 - entry.k / entry.total) - entry.read_bytes(element_size)
+        if block.kind == "mlp":
+            sparse_refs = block.weights.values()
+        else:  # the query projection only where the backend reads it sparsely (not fused, no cross-head norm)
+            sparse_refs = [block.o] + ([block.q] if block.q.rows is None and block.qk_norm != "across_heads" else [])
+        sparse = sum(nbytes(params[ref.name]) for ref in sparse_refs if ref.name in params)
+        saved += sparse * (1.0 - entry.k / entry.total) - entry.read_bytes(element_size)
     return total / (total - saved)
 
 

@@ -44,3 +44,10 @@ def test_bandwidth_bound_by_hand():
     predictors = 2 * (64 * 4 + 4 * 128)
     expected = total / (total - (0.5 * mlp - predictors))
     assert abs(bandwidth_bound(model, _plan(model, 0.5)) - expected) < 1e-9
+    # Heads: 2 of 4 kept saves half of each q and o projection, less the head predictors.
+    plan = _plan(model, 0.5)
+    plan.entries.update({(l, "attention"): PlanEntry(l, "attention", 2, 4, A=torch.zeros(64, 4), B=torch.zeros(4, 4),
+                                                     lookahead=l > 0) for l in range(2)})
+    q_and_o = sum(p.numel() for name, p in model.named_parameters() if "q_proj" in name or "o_proj" in name)
+    expected = total / (total - (0.5 * mlp - predictors) - (0.5 * q_and_o - 2 * (64 * 4 + 4 * 4)))
+    assert abs(bandwidth_bound(model, plan) - expected) < 1e-9

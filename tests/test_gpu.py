@@ -13,6 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 from tests.conftest_kernels import assert_close, mlp_problem, mlp_reference  # noqa: E402
 from tests.test_kernels_compile import OPS  # noqa: E402
 from tests.test_sparse_backend import AlwaysSparseEntry, _ids, _masked_reference_llama, _plan  # noqa: E402
+from tests.test_sparse_attention import _masked_heads_reference_llama  # noqa: E402
 from dejavu_compile import dejavu_backend  # noqa: E402
 from dejavu_compile.kernels import prepare_gated_mlp_weights, sparse_gated_mlp  # noqa: E402
 from dejavu_compile.testing import describe_difference, greedy_generate  # noqa: E402
@@ -80,9 +81,27 @@ def test_sparse_decode_on_cuda_matches_masked_reference(mode):
     assert describe_difference("logits", got, expected, rtol=1e-3, atol=1e-3) is None
 
 
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_head_sparse_decode_on_cuda_matches_masked_reference(mode):
+    model = tiny_model("llama", layers=3)
+    model.cuda()
+    ids = _ids(3, 1).cuda()
+    only_heads = _plan(model, None, attn_density=0.5)
+    expected = _masked_heads_reference_llama(model, only_heads, ids)
+    reports = []
+    backend = functools.partial(dejavu_backend, mode=mode, options={"plan": only_heads, "strict": True,
+                                                                    "on_report": reports.append})
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for _ in range(3):
+            got = compiled(ids, use_cache=False).logits
+    assert any("heads" in line for r in reports for line in r.rewritten)
+    assert describe_difference("logits", got, expected, rtol=1e-3, atol=1e-3) is None
+
+
 def test_full_density_generate_on_cuda_is_exact():
     model = tiny_model("llama")
-    plan = _plan(model, 1.0, entry_cls=AlwaysSparseEntry)
+    plan = _plan(model, 1.0, entry_cls=AlwaysSparseEntry, attn_density=1.0)
     model.cuda()
     ids = _ids().cuda()
     for cache in ("static", "dynamic"):

@@ -9,7 +9,7 @@ from dejavu_compile.passes.sparsify import prepare_model
 from dejavu_compile.testing import describe_difference
 from dejavu_compile.testing.tiny import ARCHITECTURES, tiny_model
 
-from test_sparse_backend import _ids, _plan, logits_with_hooks
+from tests.test_sparse_backend import _ids, _plan, logits_with_hooks
 
 # (architecture, config overrides): every foundation architecture, plus LLaMA as MHA and Mistral as MQA.
 VARIANTS = [(arch, {}) for arch in ARCHITECTURES] + [("llama", {"kv_heads": 4}), ("mistral", {"kv_heads": 1})]
@@ -43,7 +43,7 @@ def _masked_heads_reference_llama(model, plan, ids):
             (heads,) = args  # (B, T, H*D)
             source = inputs[("mlp", layer - 1)] if entry.lookahead else inputs[("attention", layer)]
             idx = entry.scores(source).topk(entry.k, dim=-1).indices
-            mask = torch.zeros(idx.shape[0], entry.total).scatter(-1, idx, 1.0).repeat_interleave(head_dim, -1)
+            mask = torch.zeros(idx.shape[0], entry.total, device=idx.device).scatter(-1, idx, 1.0).repeat_interleave(head_dim, -1)
             return (heads * mask.view_as(heads),)
 
         handles.append(block.self_attn.o_proj.register_forward_pre_hook(mask_heads))
@@ -146,7 +146,7 @@ def test_eager_attention_stays_dense_and_is_reported():
 
 
 def test_full_density_head_sparse_logits_within_fp32_tolerance_with_inductor():
-    from test_sparse_backend import AlwaysSparseEntry
+    from tests.test_sparse_backend import AlwaysSparseEntry
 
     model = tiny_model("qwen2")  # q/k/v biases
     plan = _plan(model, None, attn_density=1.0, attn_entry_cls=AlwaysSparseEntry)

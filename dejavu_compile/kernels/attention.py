@@ -27,6 +27,10 @@ CPU path: the q projection gathers head blocks of w_q in cache-sized chunks (``m
 and the output projection is an embedding_bag over the selected rows of w_o_t (rows read in place).
 CUDA path: the same two steps with the Triton gather kernels of ``triton_mlp.py``; the attention
 itself (k heads x T keys) is plain torch on both.
+
+The backend does not call this op: it lowers a plan's attention entries in the graph itself
+(``passes/sparsify_attention.py``), reusing each model's traced rotary and norm code, so that every
+architecture the matcher knows gets the same computation without a per-model rotary convention.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Sparse lowering of matched MLP blocks on decode-shaped graphs.
+"""Sparse lowering of matched MLP blocks on decode-shaped graphs (attention heads:
+``sparsify_attention.py``, called from :func:`sparsify`).
 
 For each MLP block with a sparse plan entry:
 1. the predictor is inserted right after the input it reads, which is the previous block's input
