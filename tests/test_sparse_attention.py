@@ -50,10 +50,13 @@ def _masked_heads_reference_llama(model, plan, ids):
     return logits_with_hooks(model, ids, handles)
 
 
-@pytest.mark.parametrize("batch, tokens", [(3, 1), (2, 6)])
-def test_head_sparse_matches_masked_reference(batch, tokens):
+@pytest.mark.parametrize("batch, tokens, sdpa_gqa", [(3, 1, False), (2, 6, False), (3, 1, True)])
+def test_head_sparse_matches_masked_reference(batch, tokens, sdpa_gqa, monkeypatch):
     """Decode-shaped: the head-sparse graph (eager and Inductor) and the simulation; prefill-shaped:
-    the simulation, per token."""
+    the simulation, per token. sdpa_gqa: transformers hands SDPA the 2 KV heads with enable_gqa=True
+    instead of repeating them to 4."""
+    if sdpa_gqa:
+        monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "1")
     model = tiny_model("llama", layers=3)
     plan = _plan(model, None, attn_density=0.5)
     ids = _ids(batch, tokens)
@@ -118,6 +121,9 @@ def test_only_the_selected_heads_rows_are_read():
     linears = [str(n.args[1]) for n in nodes if n.op == "call_function" and n.target is torch._C._nn.linear]
     assert not any("q_proj" in w or "o_proj" in w for w in linears), linears
     assert sum(n.target is torch.nn.functional.embedding_bag for n in nodes) == 3
+    attentions = [n for n in nodes if n.target is torch._C._nn.scaled_dot_product_attention]
+    assert len(attentions) == 3, "the dense attention must not run beside the head-sparse one"
+    assert all(n.args[0].target is torch.take_along_dim for n in attentions)  # the selected query heads
     mlp_inputs = {b.layer: b.nodes["input"].name for b in report.match.mlp}
     predictors = [n for n in nodes if n.meta.get("dejavu", {}).get("role") == "predictor"]
     assert len(predictors) == 3

@@ -151,16 +151,19 @@ def rewrite_attention(gm, graph, block: AttentionBlock, entry, ordered, values, 
         rows = graph.call_method("reshape", (rows, -1, k * D))  # head h owns rows h*D:(h+1)*D (matcher-checked)
         weights = graph.call_method("reshape", (attn, -1, k * D))
         out = _weighted_row_sum(graph, rows, weights, k * D, w_o_t, block.o.bias_node)
-        lead = graph.call_function(operator.getitem, (graph.call_method("size", (o_input,)), slice(None, -1)))
+        # Leading dims of the block's input (not of the old attention output, which must die with it).
+        lead = graph.call_function(operator.getitem, (graph.call_method("size", (block.nodes["input"],)), slice(None, -1)))
         shaped = graph.call_method("reshape", (out, graph.call_function(operator.add, (lead, (_size(graph, w_o_t, 1),)))))
     out.meta["dejavu"] = {"role": "sparse_attention", "layer": block.layer, "k": k}
     o_out.replace_all_uses_with(shaped)
-    region = [o_out, o_call]
+    region = [o_out, o_call] + [n for n in o_call.all_input_nodes if n.op != "placeholder"]  # addmm's flattening view
     node = o_input
     while node is not core:  # the reshapes between attention output and output projection
         region.append(node)
         node = node.args[0]
     _erase_unused(graph, region + [core])
+    if not getattr(core, "_erased", False):  # still used: the dense attention would run beside the sparse one
+        raise RuntimeError(f"{where}: the dense attention output has users outside its output projection")
     report.rewritten.append(f"{where}: {k}/{H} heads{' (lookahead)' if source is not block.nodes['input'] else ''}")
 
 
