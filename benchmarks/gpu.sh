@@ -37,6 +37,6 @@ step() {  # step NAME LIMIT_S COMMAND...: run with a limit, log to $OUT/NAME.txt
 
 step tests-cuda 150 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py
 step kernels 160 $PY benchmarks/kernels.py --out "$OUT/kernels-cuda.json"
-step decode 220 $PY benchmarks/decode.py --device cuda --dtype float16 --skip-smollm2 --synthetic-shape 7b \
-  --synthetic-layers 4 --mode reduce-overhead --new-tokens 64 --repeats 3 --out "$OUT/decode-cuda.json"
+step decode 280 $PY benchmarks/decode.py --device cuda --dtype float16 --skip-smollm2 --synthetic-shape 7b \
+  --synthetic-layers 4 --mode reduce-overhead --new-tokens 64 --repeats 3 --attn-density 0.5 --out "$OUT/decode-cuda.json"
 step tests-triton 60 $PY -m pytest -q -p no:cacheprovider -x tests/test_kernels_triton.py tests/test_kernels_compile.py

@@ -62,26 +62,17 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "neuron_blocks.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from dejavu_compile.collect import collect
-    from dejavu_compile.data import news_texts, tokenize_chunks, wiki_articles
-    from dejavu_compile.models import load_smollm2
-    from dejavu_compile.quality import SIM_LABEL, oracle_selector, perplexity
+    from dejavu_compile.quality import SIM_LABEL, increases, oracle_selector, smollm2_harness
 
     t0 = time.time()
-    model, tok = load_smollm2()
-    samples, _ = collect(model, tokenize_chunks(tok, wiki_articles("calibration"), 256, args.calib_tokens),
-                         max_tokens=args.calib_tokens, progress=True)
-    sets = {"wiki": tokenize_chunks(tok, wiki_articles("eval"), 256, args.eval_tokens),
-            "news": tokenize_chunks(tok, news_texts(), 256, args.eval_tokens)}
-    dense = {name: perplexity(model, chunks) for name, chunks in sets.items()}
+    model, _, samples, sets, dense = smollm2_harness(args.calib_tokens, args.eval_tokens)
     total = samples[0].mlp_importance.shape[1]
     orders = {(b, layer): coactivation_order(s.mlp_importance.float(), b) for b in args.blocks for layer, s in samples.items()}
 
     rows = []
 
     def record(selection, block, density, selector):
-        row = {"selection": selection, "block": block, "density": density}
-        row.update({f"{name}_increase": perplexity(model, chunks, selector) / dense[name] - 1 for name, chunks in sets.items()})
+        row = {"selection": selection, "block": block, "density": density, **increases(model, sets, dense, selector)}
         rows.append(row)
         print(f"{selection:22s} b={block:<3d} density {density:.2f}: wiki {row['wiki_increase']:+8.2%}  "
               f"news {row['news_increase']:+8.2%}", flush=True)

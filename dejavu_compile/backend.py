@@ -40,6 +40,7 @@ class BackendReport:
     graph: Any = None  # the graph handed to the inner compiler
     dense_reason: str | None = None
     error: str | None = None
+    extra_bytes: int = 0  # memory the compiled graph holds beyond the model's own: predictors, weight copies
 
 
 try:  # Dynamo re-raises ShortenTraceback as is, so the user sees our ValueError, not a wrapper.
@@ -164,6 +165,7 @@ class DejavuBackend:
             report.error = f"{type(exc).__name__}: {exc}"
             gm = original
         report.graph = gm
+        report.extra_bytes = sum(t.numel() * t.element_size() for t in gm.meta.get("dejavu_extra_inputs", ()))
         if opts["on_report"] is not None:
             opts["on_report"](report)
         return _compile_inner(gm, example_inputs, opts, mode)

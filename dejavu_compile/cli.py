@@ -67,8 +67,9 @@ def demo(argv=None) -> int:
     print(f"plan: MLP density {plan.mlp_density:.2f}, attention density {plan.attn_density:.2f}")
 
     ids = tok(args.prompt, return_tensors="pt").input_ids
+    reports = []
     variants = [Variant("HF eager", lambda f: f), Variant("Inductor dense", compiled_forward("inductor")),
-                Variant("dejavu", compiled_forward("dejavu", options={"plan": plan}))]
+                Variant("dejavu", compiled_forward("dejavu", options={"plan": plan, "on_report": reports.append}))]
     speed = measure_decode(model, ids, variants, new_tokens=args.new_tokens, repeats=args.repeats)
 
     wiki = tokenize_chunks(tok, wiki_articles("eval"), seq_len=256, max_tokens=args.eval_tokens)
@@ -88,6 +89,10 @@ def demo(argv=None) -> int:
     gain = speed["dejavu"]["tokens_per_s"] / base
     print(f"bandwidth bound at MLP density {plan.mlp_density:.2f} (weight bytes read, predictors included): "
           f"{bound:.2f}x; efficiency (speedup / bound): {gain / bound:.2f}")
+    added = max((r.extra_bytes for r in reports), default=0)
+    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    print(f"memory the decode graph adds (predictors, weight copies): {added / 2**20:.1f} MiB, "
+          f"{added / weights:.1%} of the model's weights")
     for name, (dense, sparse) in ppl.items():
         print(f"held-out perplexity ({name}): dense {dense:.2f}, dejavu {sparse:.2f} "
               f"({sparse / dense - 1:+.2%}; masked simulation of the plan)")

@@ -205,3 +205,23 @@ def random_selector(mlp_density: float = 0.5, seed: int = 0) -> Selector:
         return topk_mask(torch.rand(importance.shape, generator=g), _k(mlp_density, importance.shape[-1]))
 
     return sel
+
+
+def smollm2_harness(calib_tokens: int = 8192, eval_tokens: int = 2048, seq_len: int = 256):
+    """SmolLM2 with collected calibration samples and held-out text, for quality experiments:
+    (model, tokenizer, samples, {"wiki": chunks, "news": chunks}, dense perplexity per set)."""
+    from dejavu_compile.collect import collect
+    from dejavu_compile.data import news_texts, tokenize_chunks, wiki_articles
+    from dejavu_compile.models import load_smollm2
+
+    model, tok = load_smollm2()
+    samples, _ = collect(model, tokenize_chunks(tok, wiki_articles("calibration"), seq_len, calib_tokens),
+                         max_tokens=calib_tokens, progress=True)
+    sets = {"wiki": tokenize_chunks(tok, wiki_articles("eval"), seq_len, eval_tokens),
+            "news": tokenize_chunks(tok, news_texts(), seq_len, eval_tokens)}
+    return model, tok, samples, sets, {name: perplexity(model, chunks) for name, chunks in sets.items()}
+
+
+def increases(model, sets: dict, dense: dict, selector: Selector | None) -> dict[str, float]:
+    """{"<set>_increase": relative perplexity increase under `selector`} for each held-out set."""
+    return {f"{name}_increase": perplexity(model, chunks, selector) / dense[name] - 1 for name, chunks in sets.items()}

@@ -255,3 +255,27 @@ def test_prepare_model_relays_out_in_place_without_changing_results():
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, before, rtol=1e-5, atol=1e-5)
     assert prepare_model(model) == []  # idempotent
+
+
+def test_report_counts_the_memory_the_graph_adds():
+    """extra_bytes: the predictors, the head-row tables, and the transposed weight copies that
+    prepare_model makes unnecessary."""
+    model = tiny_model("llama")
+    plan = _plan(model, 0.5, attn_density=0.5)
+
+    def extra_bytes():
+        reports = []
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(model, backend="dejavu", options={"plan": plan, "inner": "eager", "strict": True,
+                                                            "on_report": reports.append})(_ids(1, 1), use_cache=False)
+        return reports[-1].extra_bytes
+
+    before = extra_bytes()
+    prepare_model(model)
+    after = extra_bytes()
+    copies = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "down_proj" in name or "o_proj" in name)
+    predictors = sum(e.read_bytes(4) for e in plan.entries.values() if not e.dense)
+    head_tables = 2 * 4 * 16 * 8  # per layer: (heads, head_dim) int64 query-row ids
+    assert after == predictors + head_tables
+    assert before == after + copies
