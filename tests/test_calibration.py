@@ -114,6 +114,33 @@ def test_calibrate_planted_model_hits_density_and_recall():
     assert all(plan_la.entry(l, "mlp").lookahead for l in range(L) if not plan_la.entry(l, "mlp").dense)
 
 
+def test_calibrated_head_plan_decodes_through_the_backend():
+    """Head predictors from calibration (lookahead from layer 1) drive the head-sparse decode graph,
+    which selects what the plan's masked simulation selects."""
+    from dejavu_compile.testing import describe_difference
+
+    model = tiny_llama()
+    samples, _ = collect(model, batches(), progress=False)
+    plan = calibrate(model, None, samples=samples, mlp_density=1.0, attn_density=0.5, rank=PLANT, progress=False,
+                     min_density=0.25)
+    heads = [plan.entry(l, "attention") for l in range(L)]
+    assert [e.lookahead for e in heads] == [False, True]
+    assert all(0.0 <= e.stats["recall"] <= 1.0 for e in heads if not e.dense)
+    ids = torch.randint(0, V, (3, 1), generator=torch.Generator().manual_seed(5))
+    got = {}
+    with torch.no_grad():
+        dense = model(ids, use_cache=False).logits
+        for name, options in (("sparse", {}), ("simulation", {"simulate": True})):
+            torch._dynamo.reset()
+            reports = []
+            got[name] = torch.compile(model, backend="dejavu", options={
+                "plan": plan, "inner": "eager", "strict": True, "on_report": reports.append, **options})(
+                ids, use_cache=False).logits
+            assert any("heads" in line for r in reports for line in r.rewritten), name
+    assert describe_difference("logits", got["sparse"], got["simulation"], rtol=1e-4, atol=1e-4) is None
+    assert (got["sparse"] - dense).abs().max() > 1e-4
+
+
 def test_dense_plan_and_simulation_are_exact():
     model = tiny_llama(planted=False)
     ids = batches(1, 20)[0]
