@@ -20,6 +20,8 @@ import time
 
 import torch
 
+from dejavu_compile.quality import SIM_LABEL, add_harness_arguments, increases, oracle_selector, smollm2_harness
+
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
@@ -56,16 +58,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--densities", type=float, nargs="+", default=[0.5, 0.7])
-    ap.add_argument("--eval-tokens", type=int, default=2048)
-    ap.add_argument("--calib-tokens", type=int, default=8192)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(RESULTS / "neuron_blocks.json"))
+    add_harness_arguments(ap, str(RESULTS / "neuron_blocks.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from dejavu_compile.quality import SIM_LABEL, increases, oracle_selector, smollm2_harness
 
     t0 = time.time()
-    model, _, samples, sets, dense = smollm2_harness(args.calib_tokens, args.eval_tokens)
+    harness = smollm2_harness(args.calib_tokens, args.eval_tokens)
+    model, samples, sets, dense = harness.model, harness.samples, harness.sets, harness.dense
     total = samples[0].mlp_importance.shape[1]
     orders = {(b, layer): coactivation_order(s.mlp_importance.float(), b) for b in args.blocks for layer, s in samples.items()}
 

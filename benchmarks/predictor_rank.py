@@ -18,6 +18,10 @@ import time
 
 import torch
 
+from dejavu_compile.calibrate import calibrate
+from dejavu_compile.quality import (SIM_LABEL, add_harness_arguments, increases, oracle_selector, plan_selector,
+                                    smollm2_harness)
+
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
@@ -25,17 +29,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, nargs="+", default=[72, 144, 288, 576])
     ap.add_argument("--density", type=float, default=0.5)
-    ap.add_argument("--eval-tokens", type=int, default=2048)
-    ap.add_argument("--calib-tokens", type=int, default=8192)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(RESULTS / "predictor_rank.json"))
+    add_harness_arguments(ap, str(RESULTS / "predictor_rank.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from dejavu_compile.calibrate import calibrate
-    from dejavu_compile.quality import SIM_LABEL, increases, oracle_selector, plan_selector, smollm2_harness
 
     t0 = time.time()
-    model, tok, samples, sets, dense = smollm2_harness(args.calib_tokens, args.eval_tokens)
+    harness = smollm2_harness(args.calib_tokens, args.eval_tokens)
+    model, tok, samples, sets, dense = harness.model, harness.tokenizer, harness.samples, harness.sets, harness.dense
     cfg = model.config
     block_bytes = 3 * cfg.hidden_size * cfg.intermediate_size * 4
     oracle = increases(model, sets, dense, oracle_selector(args.density))

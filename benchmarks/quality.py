@@ -18,10 +18,8 @@ from pathlib import Path
 import torch
 
 from dejavu_compile.calibrate import DEFAULT_MLP_DENSITY, calibrate
-from dejavu_compile.data import news_texts, tokenize_chunks, wiki_articles
-from dejavu_compile.models import load_smollm2
 from dejavu_compile.quality import (
-    SIM_LABEL, TealSelector, cats_selector, oracle_selector, perplexity, plan_selector,
+    SIM_LABEL, TealSelector, cats_selector, oracle_selector, perplexity, plan_selector, smollm2_harness,
 )
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -47,21 +45,10 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     t0 = time.time()
-    model, tok = load_smollm2()
-    sets = {
-        "wiki": tokenize_chunks(tok, wiki_articles("eval"), args.seq_len, eval_tokens),
-        "news": tokenize_chunks(tok, news_texts(), args.seq_len, eval_tokens),
-    }
-    dense = {name: perplexity(model, chunks) for name, chunks in sets.items()}
-    print(f"dense perplexity: " + ", ".join(f"{k} {v:.3f}" for k, v in dense.items()), flush=True)
-
     # Collect once; every learned plan below is calibrated from the same samples.
-    from dejavu_compile.calibrate import collect
-
-    calib_chunks = tokenize_chunks(tok, wiki_articles("calibration"), args.seq_len, args.calib_tokens)
-    tc = time.time()
-    samples, _ = collect(model, calib_chunks, max_tokens=args.calib_tokens, progress=True)
-    collect_s = time.time() - tc
+    harness = smollm2_harness(args.calib_tokens, eval_tokens, args.seq_len)
+    model, tok, samples, sets, dense = harness.model, harness.tokenizer, harness.samples, harness.sets, harness.dense
+    collect_s = harness.collect_s
 
     rows = []
     plans = {}

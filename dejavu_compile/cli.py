@@ -107,8 +107,10 @@ def bandwidth_bound(model, plan) -> float:
     """Dense weight bytes per decode step over the bytes the plan reads (kept MLP rows, kept heads'
     query and output rows, all other weights, and the predictors): the speedup a purely
     bandwidth-bound decoder could reach. (KV-cache reads are left out: small at the short contexts
-    benchmarked here.) A query projection fused with K/V is read whole, as the backend does."""
+    benchmarked here.) Attention blocks and query projections count as sparse exactly where the
+    backend lowers them so (``sparsify_attention.dense_reason`` / ``dense_query_reason``)."""
     from dejavu_compile.explain import matched_blocks
+    from dejavu_compile.passes.sparsify_attention import dense_query_reason, dense_reason
 
     params = dict(model.named_parameters())
     nbytes = lambda p: p.numel() * p.element_size()
@@ -125,8 +127,10 @@ def bandwidth_bound(model, plan) -> float:
             continue
         if block.kind == "mlp":
             sparse_refs = block.weights.values()
-        else:  # the query projection only where the backend reads it sparsely (not fused, no cross-head norm)
-            sparse_refs = [block.o] + ([block.q] if block.q.rows is None and block.qk_norm != "across_heads" else [])
+        elif dense_reason(block) is not None:
+            continue
+        else:
+            sparse_refs = [block.o] + ([block.q] if dense_query_reason(block) is None else [])
         sparse = sum(nbytes(params[ref.name]) for ref in sparse_refs if ref.name in params)
         saved += sparse * (1.0 - entry.k / entry.total) - entry.read_bytes(element_size)
     return total / (total - saved)

@@ -17,7 +17,8 @@ returns a mask over the MLP block's input channels.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+import time
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
@@ -207,19 +208,39 @@ def random_selector(mlp_density: float = 0.5, seed: int = 0) -> Selector:
     return sel
 
 
-def smollm2_harness(calib_tokens: int = 8192, eval_tokens: int = 2048, seq_len: int = 256):
-    """SmolLM2 with collected calibration samples and held-out text, for quality experiments:
-    (model, tokenizer, samples, {"wiki": chunks, "news": chunks}, dense perplexity per set)."""
+class Harness(NamedTuple):
+    """SmolLM2 with collected calibration samples and held-out text, for quality experiments."""
+
+    model: Any
+    tokenizer: Any
+    samples: dict
+    sets: dict  # {"wiki": chunks, "news": chunks}
+    dense: dict  # dense perplexity per set
+    collect_s: float
+
+
+def smollm2_harness(calib_tokens: int = 8192, eval_tokens: int = 2048, seq_len: int = 256) -> Harness:
     from dejavu_compile.collect import collect
     from dejavu_compile.data import news_texts, tokenize_chunks, wiki_articles
     from dejavu_compile.models import load_smollm2
 
     model, tok = load_smollm2()
-    samples, _ = collect(model, tokenize_chunks(tok, wiki_articles("calibration"), seq_len, calib_tokens),
-                         max_tokens=calib_tokens, progress=True)
     sets = {"wiki": tokenize_chunks(tok, wiki_articles("eval"), seq_len, eval_tokens),
             "news": tokenize_chunks(tok, news_texts(), seq_len, eval_tokens)}
-    return model, tok, samples, sets, {name: perplexity(model, chunks) for name, chunks in sets.items()}
+    dense = {name: perplexity(model, chunks) for name, chunks in sets.items()}
+    print("dense perplexity: " + ", ".join(f"{k} {v:.3f}" for k, v in dense.items()), flush=True)
+    start = time.time()
+    samples, _ = collect(model, tokenize_chunks(tok, wiki_articles("calibration"), seq_len, calib_tokens),
+                         max_tokens=calib_tokens, progress=True)
+    return Harness(model, tok, samples, sets, dense, time.time() - start)
+
+
+def add_harness_arguments(parser, out: str) -> None:
+    """The options every :func:`smollm2_harness` experiment script takes."""
+    parser.add_argument("--eval-tokens", type=int, default=2048, help="held-out tokens per text set")
+    parser.add_argument("--calib-tokens", type=int, default=8192, help="calibration tokens collected")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=out, help="JSON path")
 
 
 def increases(model, sets: dict, dense: dict, selector: Selector | None) -> dict[str, float]:

@@ -193,7 +193,7 @@ def _mlp_region_nodes(block: MLPBlock) -> list[fx.Node]:
 
 
 def sparsify(gm: fx.GraphModule, example_inputs, report, opts) -> fx.GraphModule:
-    from dejavu_compile.passes.sparsify_attention import rewrite_attention, simulate_attention
+    from dejavu_compile.passes.sparsify_attention import rewrite_attention  # it imports this module
 
     plan = opts["plan"]
     match = report.match
@@ -208,7 +208,7 @@ def sparsify(gm: fx.GraphModule, example_inputs, report, opts) -> fx.GraphModule
     tokens = {b.tokens for b in match.blocks}
     batch = max(b.batch for b in match.blocks)
     if opts.get("simulate"):
-        return _simulate(gm, match, plan, report, example_inputs, simulate_attention)
+        return _simulate(gm, match, plan, report, example_inputs)
     if tokens != {1}:
         report.dense_reason = f"prefill-shaped graph ({max(tokens)} tokens per sequence): dense"
         return gm
@@ -242,9 +242,10 @@ def _insert_selection(gm, graph, block, entry, ordered, values):
 
     Returns (flat (tokens, k) neuron or head ids, the node the predictor reads)."""
     x = block.nodes["input"]
-    weight_value = values.get(block.up.node if isinstance(block, MLPBlock) else block.o.node)
+    weight_node = block.up.node if isinstance(block, MLPBlock) else block.o.node
+    weight_value = values.get(weight_node)
     dtype = weight_value.dtype if weight_value is not None else torch.float32
-    device = weight_value.device if weight_value is not None else torch.device("cpu")
+    device = _value_device(values, weight_node)
     source = _previous_input(block, ordered) if entry.lookahead else x
     with graph.inserting_before(source.next):
         flat_source = graph.call_method("reshape", (source, -1, shape_of(source)[-1]))
@@ -257,10 +258,19 @@ def _insert_selection(gm, graph, block, entry, ordered, values):
     return idx, source
 
 
-def _simulate(gm, match, plan, report, example_inputs, simulate_attention) -> fx.GraphModule:
+def _value_device(values, node) -> torch.device:
+    """The device of a weight placeholder's example value (CPU when it has none)."""
+    value = values.get(node)
+    return value.device if value is not None else torch.device("cpu")
+
+
+def _simulate(gm, match, plan, report, example_inputs) -> fx.GraphModule:
     """Masked dense simulation: the same predictors and top-k, applied as a 0/1 mask on the
-    activations before the dense down projection. Exact per token, any number of tokens (so it
-    evaluates perplexity in one prefill pass); reads every weight, so it is not faster."""
+    activations before the dense down projection (on the attention output for heads). Exact per
+    token, any number of tokens (so it evaluates perplexity in one prefill pass); reads every
+    weight, so it is not faster."""
+    from dejavu_compile.passes.sparsify_attention import simulate_attention
+
     values = _placeholder_values(gm, example_inputs)
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}

@@ -25,8 +25,8 @@ import torch.fx as fx
 
 from dejavu_compile.blocks import AttentionBlock
 from dejavu_compile.passes.graph_utils import shape_of
-from dejavu_compile.passes.sparsify import (_const, _erase_unused, _gather_gemv, _insert_selection, _rows_view,
-                                            _bias_view, _size, _transposed_weight, _weighted_row_sum)
+from dejavu_compile.passes.sparsify import (_bias_view, _const, _erase_unused, _gather_gemv, _insert_selection,
+                                            _rows_view, _size, _transposed_weight, _value_device, _weighted_row_sum)
 
 
 def _core_args(core: fx.Node) -> dict:
@@ -53,8 +53,26 @@ def simulate_attention(gm, graph, block: AttentionBlock, entry, ordered, values,
     report.rewritten.append(f"layer {block.layer} attention: masked simulation, {entry.k}/{entry.total} heads")
 
 
-def _query_is_private(block: AttentionBlock, q: fx.Node) -> str | None:
-    """None when the query projection's output feeds only the attention's query, else why not."""
+def dense_reason(block: AttentionBlock) -> str | None:
+    """Why the head-sparse lowering keeps this block dense, or None when it lowers it."""
+    if block.attention != "sdpa":
+        return (f"head-sparse attention needs scaled_dot_product_attention (this block runs {block.attention} "
+                "attention): dense")
+    args = _core_args(block.nodes["core"])
+    key_heads, H = shape_of(args["key"])[1], block.num_heads
+    if key_heads not in (H, block.num_kv_heads) or H % key_heads:
+        return f"attention reads {key_heads} key heads for {H} query heads: dense"
+    mask = args.get("attn_mask")
+    if isinstance(mask, fx.Node) and (shape_of(mask) is None or len(shape_of(mask)) != 4
+                                      or shape_of(mask)[1] not in (1, H)):
+        return f"attention mask of shape {shape_of(mask)}: dense"
+    return None
+
+
+def dense_query_reason(block: AttentionBlock) -> str | None:
+    """None when the query projection's output feeds only the attention's query (so only the selected
+    heads' rows need computing), else why the lowering keeps the query projection dense."""
+    q = _core_args(block.nodes["core"])["query"]
     if block.q.rows is not None:
         return "query projection fused with key/value"
     if block.qk_norm == "across_heads":
@@ -80,7 +98,7 @@ def _rewrite_query(gm, graph, block: AttentionBlock, idx, k, values) -> None:
     q_out, q_call, x = block.nodes["q_out"], block.nodes["q"], block.nodes["q_x"]
     weight = values.get(block.q.node)
     width = shape_of(q_out)[-1]
-    table = block.nodes["head_rows"]["q"].to(device=weight.device if weight is not None else "cpu")
+    table = block.nodes["head_rows"]["q"].to(device=_value_device(values, block.q.node))
     rows_of_head = _const(gm, graph, f"dejavu_L{block.layer}_attention_q_rows", table)  # (H, D)
     with graph.inserting_before(q_call):
         x2d = graph.call_method("reshape", (x, -1, shape_of(x)[-1]))
@@ -99,31 +117,24 @@ def _rewrite_query(gm, graph, block: AttentionBlock, idx, k, values) -> None:
 
 
 def rewrite_attention(gm, graph, block: AttentionBlock, entry, ordered, values, report, fallbacks) -> None:
+    reason = dense_reason(block)
+    if reason is not None:
+        fallbacks.append((block.module, reason))
+        return
     core = block.nodes["core"]
     where = f"layer {block.layer} attention"
-    if block.attention != "sdpa":
-        fallbacks.append((block.module, "head-sparse attention needs scaled_dot_product_attention "
-                                        f"(this block runs {block.attention} attention): dense"))
-        return
     args = _core_args(core)
     key_heads = shape_of(args["key"])[1]
-    H, D, k = block.num_heads, block.head_dim, entry.k
-    if key_heads not in (H, block.num_kv_heads) or H % key_heads:
-        fallbacks.append((block.module, f"attention reads {key_heads} key heads for {H} query heads: dense"))
-        return
     mask = args.get("attn_mask")
-    if isinstance(mask, fx.Node) and (shape_of(mask) is None or len(shape_of(mask)) != 4
-                                      or shape_of(mask)[1] not in (1, H)):
-        fallbacks.append((block.module, f"attention mask of shape {shape_of(mask)}: dense"))
-        return
+    H, D, k = block.num_heads, block.head_dim, entry.k
     idx, source = _insert_selection(gm, graph, block, entry, ordered, values)
 
     # 1. Queries of the selected heads only, where the projection belongs to the query alone.
-    not_private = _query_is_private(block, args["query"])
-    if not_private is None:
+    query_reason = dense_query_reason(block)
+    if query_reason is None:
         _rewrite_query(gm, graph, block, idx, k, values)
     else:
-        report.rewritten.append(f"{where}: query projection kept dense ({not_private})")
+        report.rewritten.append(f"{where}: query projection kept dense ({query_reason})")
 
     # 2. Attention over the selected heads and the KV heads they read.
     with graph.inserting_before(core):
@@ -146,7 +157,7 @@ def rewrite_attention(gm, graph, block: AttentionBlock, entry, ordered, values, 
     with graph.inserting_before(o_call):
         w_o_t = _transposed_weight(gm, graph, block.o, values.get(block.o.node),
                                    f"dejavu_L{block.layer}_attention_w_o_t", report, f"{where}: output")
-        offsets = graph.call_function(torch.arange, (D,), {"device": _device_of(values, block)})
+        offsets = graph.call_function(torch.arange, (D,), {"device": _value_device(values, block.o.node)})
         rows = graph.call_function(operator.add, (graph.call_function(operator.mul, (heads, D)), offsets))
         rows = graph.call_method("reshape", (rows, -1, k * D))  # head h owns rows h*D:(h+1)*D (matcher-checked)
         weights = graph.call_method("reshape", (attn, -1, k * D))
@@ -165,8 +176,3 @@ def rewrite_attention(gm, graph, block: AttentionBlock, entry, ordered, values, 
     if not getattr(core, "_erased", False):  # still used: the dense attention would run beside the sparse one
         raise RuntimeError(f"{where}: the dense attention output has users outside its output projection")
     report.rewritten.append(f"{where}: {k}/{H} heads{' (lookahead)' if source is not block.nodes['input'] else ''}")
-
-
-def _device_of(values, block: AttentionBlock):
-    weight = values.get(block.o.node)
-    return weight.device if weight is not None else torch.device("cpu")
