@@ -66,16 +66,26 @@ def run_smollm2(args, report):
     plans = {f"dejavu {p} {d:.2f}{_heads(args.attn_density)}": build(d)
              for p, build in builders.items() for d in args.densities}
     variants = [Variant("HF eager", lambda f: f), Variant("Inductor dense", compiled_forward("inductor"))]
-    variants += [Variant(name, compiled_forward("dejavu", options={"plan": plan})) for name, plan in plans.items()]
+    lowering_of = {}
+    for lowering in args.cpu_lowering:  # CPU sparse-MLP lowerings side by side (op: the C kernel)
+        for name, plan in list(plans.items()):
+            label = name if lowering == "auto" else f"{name} [{lowering}]"
+            lowering_of[label] = (name, lowering)
+            variants.append(Variant(label, compiled_forward("dejavu", options={"plan": plan, "cpu_lowering": lowering})))
     speed = measure_decode(model, ids, variants, new_tokens=args.new_tokens, repeats=args.repeats)
+    quality = {}
     base = speed["Inductor dense"]["tokens_per_s"]
     rows = []
     for name, row in speed.items():
         entry = {"variant": name, "tokens_per_s": row["tokens_per_s"], "speedup_vs_inductor": row["tokens_per_s"] / base,
                  "runs": row["runs"]}
-        if name in plans:
-            plan = plans[name]
-            ppl, ppl_news = perplexity(model, chunks, plan, progress=True), perplexity(model, news, plan)
+        if name in lowering_of:
+            plan_name, lowering = lowering_of[name]
+            plan = plans[plan_name]
+            if plan_name not in quality:  # the same selection whatever the lowering: evaluate once
+                quality[plan_name] = perplexity(model, chunks, plan, progress=True), perplexity(model, news, plan)
+            ppl, ppl_news = quality[plan_name]
+            entry["cpu_lowering"] = lowering
             bound = bandwidth_bound(model, plan)
             mlp = [e for e in plan.entries.values() if e.kind == "mlp"]
             entry.update(predictor=plan.settings.get("predictor"), mlp_density=plan.mlp_density,
@@ -90,10 +100,10 @@ def run_smollm2(args, report):
     report["smollm2"] = rows
     print(f"\nSmolLM2-135M, CPU fp32, batch 1, static cache, {args.new_tokens} new tokens "
           f"(held-out perplexity on {sum(c.numel() for c in chunks)} Wikipedia tokens, dense {dense_ppl:.2f})")
-    print(f"{'variant':<28}{'MLP density':>12}{'tokens/s':>10}{'speedup':>9}{'bound':>7}{'eff.':>6}{'recall':>7}"
+    print(f"{'variant':<34}{'MLP density':>12}{'tokens/s':>10}{'speedup':>9}{'bound':>7}{'eff.':>6}{'recall':>7}"
           f"{'ppl':>8}{'Δppl wiki':>10}{'news':>8}")
     for r in rows:
-        print(f"{r['variant']:<28}{r['mlp_density']:>12.2f}{r['tokens_per_s']:>10.2f}{r['speedup_vs_inductor']:>8.2f}x"
+        print(f"{r['variant']:<34}{r['mlp_density']:>12.2f}{r['tokens_per_s']:>10.2f}{r['speedup_vs_inductor']:>8.2f}x"
               f"{r.get('bandwidth_bound', 1.0):>6.2f}x{r.get('efficiency', 1.0):>6.2f}{r.get('mean_recall', 1.0):>7.2f}"
               f"{r['perplexity']:>8.2f}{r['ppl_increase']:>+10.1%}{r['news_ppl_increase']:>+8.1%}")
 
@@ -129,16 +139,17 @@ def run_synthetic(args, report):
              for d in densities for a in head_densities}
     bounds = {name: bandwidth_bound(model, plan) for name, plan in plans.items()}
 
-    def dejavu(name):  # torch.compile refuses mode with options: give both to the backend
-        backend = functools.partial(dejavu_backend, mode=args.mode, options={"plan": plans[name]})
-        return Variant(name, compiled_forward(backend))
+    def dejavu(name, lowering):  # torch.compile refuses mode with options: give both to the backend
+        backend = functools.partial(dejavu_backend, mode=args.mode,
+                                    options={"plan": plans[name], "cpu_lowering": lowering})
+        return Variant(name if lowering == "auto" else f"{name} [{lowering}]", compiled_forward(backend))
 
     variants = [Variant("HF eager", lambda f: f), Variant("Inductor dense", compiled_forward("inductor", **kwargs))]
-    variants += [dejavu(name) for name in plans]
+    variants += [dejavu(name, lowering) for lowering in args.cpu_lowering for name in plans]
     speed = measure_decode(model, ids, variants, new_tokens=args.new_tokens // 2, repeats=args.repeats)
     base = speed["Inductor dense"]["tokens_per_s"]
     rows = [{"variant": n, "tokens_per_s": r["tokens_per_s"], "speedup_vs_inductor": r["tokens_per_s"] / base,
-             "bandwidth_bound": bounds.get(n, 1.0)} for n, r in speed.items()]
+             "bandwidth_bound": bounds.get(n.split(" [")[0], 1.0)} for n, r in speed.items()]
     key = f"synthetic_llama{args.synthetic_shape}_layers" + ("" if args.device == "cpu" else f"_{args.device}")
     report[key] = {"layers": args.synthetic_layers, **shape, "attn_density": args.attn_density,
                    "device": args.device, "dtype": args.dtype,
@@ -146,7 +157,7 @@ def run_synthetic(args, report):
     print(f"\nLLaMA-{args.synthetic_shape}-shaped, {args.synthetic_layers} layers, random weights and predictors "
           f"(speed only), {args.device} {args.dtype}, mode={args.mode}")
     for r in rows:
-        print(f"{r['variant']:<24}{r['tokens_per_s']:>10.2f} tokens/s{r['speedup_vs_inductor']:>8.2f}x"
+        print(f"{r['variant']:<34}{r['tokens_per_s']:>10.2f} tokens/s{r['speedup_vs_inductor']:>8.2f}x"
               f"   (bandwidth bound {r['bandwidth_bound']:.2f}x)")
 
 
@@ -156,7 +167,8 @@ def plot(report, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in report.get("smollm2", []) if r["variant"].startswith("dejavu")]
+    rows = [r for r in report.get("smollm2", [])
+            if r["variant"].startswith("dejavu") and r.get("cpu_lowering", "auto") == "auto"]
     if not rows:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -183,6 +195,8 @@ def main(argv=None) -> int:
     ap.add_argument("--predictors", nargs="+", default=["lowrank", "int8"], choices=["lowrank", "int8"])
     ap.add_argument("--attn-density", type=float, default=1.0,
                     help="share of query heads kept (head predictors trained by calibration; 1.0: attention dense)")
+    ap.add_argument("--cpu-lowering", nargs="+", default=["auto"], choices=["auto", "op", "decomposed"],
+                    help="CPU sparse-MLP lowerings to compare (auto = decomposed under Inductor; op: the custom op, its C kernel)")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--eval-tokens", type=int, default=4096)

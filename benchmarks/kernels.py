@@ -2,9 +2,12 @@
 
     python benchmarks/kernels.py [--quick] [--shapes llama7b smollm2] [--threads N] [--ops mlp attention bounds]
     THP_MEM_ALLOC_ENABLE=0 python benchmarks/kernels.py ...   # without transparent huge pages
+    python benchmarks/kernels.py --cpu-paths native torch --prefetch-sweep   # CPU MLP paths, prefetch settings
 
 CPU: fp32, dense = the torch ops a decoder runs (MLP: three F.linear; attention: q F.linear,
-RoPE, SDPA over the cache, o F.linear), sparse = the dejavu ops. CUDA (auto-detected): fp16, dense
+RoPE, SDPA over the cache, o F.linear), sparse = the dejavu ops; the sparse MLP op runs through
+each CPU path: "native" (the C kernel fp32 calls take, rows ``gated_mlp``) and "torch" (the
+Inductor-fused gather-GEMV + embedding_bag, rows ``gated_mlp/torch``). CUDA (auto-detected): fp16, dense
 on cuBLAS, sparse = the Triton kernels (autotuned), both timed as CUDA-graph replays (kernel time,
 no launch overhead). Efficiency 1.0 means the sparse op reaches the bandwidth limit (time scales
 with the bytes it reads). K/V projections are dense in both and left out. Each sparse MLP row also
@@ -34,6 +37,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from unittest import mock
+
+from dejavu_compile.kernels import native
 from dejavu_compile.kernels.mlp import _FUSED, _gather_activate, _gather_gemv
 from dejavu_compile.kernels import (prepare_attention_weights, prepare_gated_mlp_weights,
                                     sparse_gated_mlp, sparse_head_attention)
@@ -116,7 +122,7 @@ def summarize(op, k, total, td, ts):
                 efficiency_of_min=min(td) / min(ts) * k / total)
 
 
-def bench_mlp(shape, dtype, device, reps, densities, timer):
+def bench_mlp(shape, dtype, device, reps, densities, timer, label="gated_mlp"):
     d, ff = shape["d"], shape["ff"]
     gen = torch.Generator(device="cpu").manual_seed(0)
     layer_bytes = 3 * d * ff * torch.finfo(dtype).bits // 8
@@ -142,12 +148,40 @@ def bench_mlp(shape, dtype, device, reps, densities, timer):
             p = layers[i]
             return sparse_gated_mlp(x, p["w_gate"], p["w_up"], p["w_down_t"], pool[calls[0] % POOL], "silu")
 
-        row = summarize("gated_mlp", k, ff, *interleaved(timer, dense, sparse, reps, len(layers)))
+        row = summarize(label, k, ff, *interleaved(timer, dense, sparse, reps, len(layers)))
         row["rel_err"] = mlp_error(x, layers[0], pool[0], sparse_gated_mlp)
         row.update(dense_GBps=layer_bytes / row["dense_ms"] / 1e6,
                    sparse_GBps=layer_bytes * k / ff / row["sparse_ms"] / 1e6)
         rows.append(row)
     return rows
+
+
+def bench_cpu_paths(shape, dtype, device, reps, densities, timer, paths):
+    """The CPU sparse MLP through each path: "native" (the C kernel, what fp32 calls take) and
+    "torch" (the Inductor-fused gather-GEMV + embedding_bag it replaced, still the path of other
+    dtypes and machines without a C compiler)."""
+    rows = []
+    for path in paths:
+        if path == "native" and not native.available():
+            print(f"# C kernel unavailable ({native._STATE['error']}): skipping the native rows")
+            continue
+        with mock.patch.dict(native._STATE, enabled=path == "native"):
+            label = "gated_mlp" if path == "native" else "gated_mlp/torch"
+            rows += bench_mlp(shape, dtype, device, reps, densities, timer, label)
+    return rows
+
+
+def prefetch_sweep(shape, dtype, device, reps, timer, densities=(0.25, 0.5)):
+    """Efficiency of the C kernel over its prefetch settings (rows ahead x bytes per row)."""
+    out = []
+    for rows_ahead, nbytes in [(0, 0), (2, 64), (4, 64), (2, 256), (4, 256), (8, 256), (4, 1024), (4, 1 << 20)]:
+        with mock.patch.multiple(native, PREFETCH_ROWS=rows_ahead, PREFETCH_BYTES=nbytes):
+            for r in bench_mlp(shape, dtype, device, reps, densities, timer, f"prefetch {rows_ahead}x{nbytes}B"):
+                out.append(dict(prefetch_rows=rows_ahead, prefetch_bytes=nbytes, density=r["density"],
+                                efficiency=r["efficiency"], efficiency_of_min=r["efficiency_of_min"]))
+                print(f"  prefetch {rows_ahead} rows x {nbytes} B, density {r['density']:.2f}: "
+                      f"efficiency {r['efficiency']:.2f} (of minimums {r['efficiency_of_min']:.2f})")
+    return out
 
 
 def mlp_error(x, p, idx, op):
@@ -255,10 +289,13 @@ def plot(paths, out):
         m = result["machine"]
         where = m.get("gpu") or f"CPU {m['threads']} thread{'s' if m['threads'] > 1 else ''}"
         for name, shape in result["shapes"].items():
-            rows = [r for r in shape["rows"] if r["op"] == "gated_mlp"]
-            if rows:
-                ax.plot([r["density"] for r in rows], [r["efficiency"] for r in rows], "o-",
-                        label=f"{name}, {where}, {m['dtype'].replace('torch.', '')}")
+            for op in ("gated_mlp", "gated_mlp/torch"):
+                rows = [r for r in shape["rows"] if r["op"] == op]
+                if rows:
+                    path_name = " (Inductor-fused torch path)" if op.endswith("torch") else ""
+                    ax.plot([r["density"] for r in rows], [r["efficiency"] for r in rows],
+                            "o--" if path_name else "o-",
+                            label=f"{name}, {where}, {m['dtype'].replace('torch.', '')}{path_name}")
     ax.axhline(1.0, color="grey", lw=0.5)
     ax.set_xlabel("MLP density (fraction of neurons kept)")
     ax.set_ylabel("efficiency = speedup x density")
@@ -276,6 +313,9 @@ def main(argv=None):
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--ops", nargs="+", default=["mlp", "attention", "bounds"], choices=["mlp", "attention", "bounds"])
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    ap.add_argument("--cpu-paths", nargs="+", default=["native", "torch"], choices=["native", "torch"],
+                    help="CPU sparse MLP paths to measure (native: the C kernel; torch: Inductor-fused)")
+    ap.add_argument("--prefetch-sweep", action="store_true", help="also sweep the C kernel's prefetch settings")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<device>-t<threads>.json)")
     ap.add_argument("--plot", nargs="+", metavar="JSON", help="only plot these results files (to --out, a .png)")
     args = ap.parse_args(argv)
@@ -299,17 +339,24 @@ def main(argv=None):
                    platform=platform.platform(), processor=platform.processor() or platform.machine(),
                    threads=torch.get_num_threads(), cpus=os.cpu_count(), loadavg_at_start=os.getloadavg(),
                    torch=torch.__version__, dtype=str(dtype), reps=reps,
-                   thp_mem_alloc=os.environ.get("THP_MEM_ALLOC_ENABLE"), cpu_fused_gather=_FUSED["enabled"])
+                   thp_mem_alloc=os.environ.get("THP_MEM_ALLOC_ENABLE"), cpu_fused_gather=_FUSED["enabled"],
+                   cpu_c_kernel=device.type == "cpu" and native.available(),
+                   c_kernel_prefetch=(native.PREFETCH_ROWS, native.PREFETCH_BYTES))
     print(f"# {machine}")
     result = dict(machine=machine, shapes={})
     torch.set_grad_enabled(False)
     for name in args.shapes:
         shape = SHAPES[name]
-        rows = bench_mlp(shape, dtype, device, reps, densities, timer) if "mlp" in args.ops else []
+        rows = []
+        if "mlp" in args.ops:
+            rows = (bench_cpu_paths(shape, dtype, device, reps, densities, timer, args.cpu_paths)
+                    if device.type == "cpu" else bench_mlp(shape, dtype, device, reps, densities, timer))
         rows += bench_attention(shape, dtype, device, reps, densities, timer) if "attention" in args.ops else []
         bounds = (bench_bounds(shape, dtype, device, reps, densities, timer)
                   if device.type == "cpu" and "bounds" in args.ops else {})
         result["shapes"][name] = dict(shape=shape, rows=rows, bounds=bounds)
+        if args.prefetch_sweep and device.type == "cpu" and native.available():
+            result["shapes"][name]["prefetch_sweep"] = prefetch_sweep(shape, dtype, device, reps, timer)
         print(f"\n## {name} {shape}")
         print(f"{'op':<15}{'density':>8}{'dense ms':>10}{'sparse ms':>11}{'speedup':>9}{'effic.':>8}"
               f"{'| min: dense':>13}{'sparse':>9}{'effic.':>8}{'rel.err':>9}")

@@ -33,6 +33,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--layout", action="store_true")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--cpu-lowering", nargs="+", default=["auto"], choices=["auto", "op", "decomposed"],
+                    help="sparse-MLP lowerings to profile (auto = decomposed; op: the custom op, its C kernel)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     import torch._inductor.config as inductor_config
@@ -67,8 +69,10 @@ def main(argv=None) -> int:
     plan = calibrate(model, tok, predictor=args.predictor, mlp_density=args.density, max_tokens=2048, progress=False)
     prepare_model(model)
     original = model.forward
-    variants = {"Inductor dense": compiled_forward("inductor"),
-                f"dejavu {args.predictor} {plan.mlp_density:.2f}": compiled_forward("dejavu", options={"plan": plan})}
+    variants = {"Inductor dense": compiled_forward("inductor")}
+    for lowering in args.cpu_lowering:
+        name = f"dejavu {args.predictor} {plan.mlp_density:.2f}" + ("" if lowering == "auto" else f" [{lowering}]")
+        variants[name] = compiled_forward("dejavu", options={"plan": plan, "cpu_lowering": lowering})
     for name, wrap in variants.items():
         model.forward = wrap(original)
         for tokens in (33, 1, 33, 1):  # compiles every graph these lengths need (the static cache size is one)
@@ -77,7 +81,7 @@ def main(argv=None) -> int:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             _decode_seconds(model, ids, 33)
         print(f"\n{name}: {1e3 * step:.1f} ms per decode step unprofiled; profile of 32 steps (+ prefill):")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=70))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=70))
         model.forward = original
     return 0
 

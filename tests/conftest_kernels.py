@@ -46,11 +46,12 @@ def random_idx(gen, batch, size, k, per_row):
     return torch.randperm(size, generator=gen)[:k]
 
 
-def mlp_problem(seed, batch, d, n, k, dtype, gated, per_row, biases):
+def mlp_problem(seed, batch, d, n, k, dtype, gated, per_row, biases, d_out=None):
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: (torch.randn(*s, generator=gen, dtype=torch.float64))
-    p = {"x": r(batch, d), "w_up": r(n, d) / d ** 0.5, "w_down_t": r(n, d) / n ** 0.5,
-         "b_up": r(n) if biases else None, "b_down": r(d) if biases else None}
+    d_out = d if d_out is None else d_out
+    p = {"x": r(batch, d), "w_up": r(n, d) / d ** 0.5, "w_down_t": r(n, d_out) / n ** 0.5,
+         "b_up": r(n) if biases else None, "b_down": r(d_out) if biases else None}
     if gated:
         p["w_gate"] = r(n, d) / d ** 0.5
         p["b_gate"] = r(n) if biases else None

@@ -13,6 +13,7 @@ from dejavu_compile.kernels import (ACTIVATIONS, prepare_gated_mlp_weights, prep
                                     prepared_overhead, sparse_gated_mlp, sparse_gated_mlp_torch,
                                     sparse_mlp, sparse_mlp_torch)
 from dejavu_compile.kernels import mlp as mlp_mod
+from dejavu_compile.kernels import native
 
 torch.set_num_threads(1)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -24,10 +25,11 @@ def _nan_out(p):
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=mlp_cases(), dtype=st.sampled_from(DTYPES), activation=st.sampled_from(ACTIVATIONS),
-       stacked=st.booleans(), small_chunks=st.booleans())
-def test_sparse_gated_mlp_matches_masked_dense(case, dtype, activation, stacked, small_chunks, poison):
-    # small_chunks: several gather chunks even on small shapes
-    with mock.patch.object(mlp_mod, "CHUNK_BYTES", 1 if small_chunks else mlp_mod.CHUNK_BYTES):
+       stacked=st.booleans(), small_chunks=st.booleans(), use_native=st.booleans())
+def test_sparse_gated_mlp_matches_masked_dense(case, dtype, activation, stacked, small_chunks, use_native, poison):
+    # small_chunks: several gather chunks even on small shapes; use_native=False: the torch path in fp32 too
+    with mock.patch.object(mlp_mod, "CHUNK_BYTES", 1 if small_chunks else mlp_mod.CHUNK_BYTES), \
+            mock.patch.dict(native._STATE, enabled=use_native and native._STATE["enabled"]):
         _check_gated(case, dtype, activation, stacked)
 
 
@@ -48,8 +50,14 @@ def _check_gated(case, dtype, activation, stacked):
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(case=mlp_cases(), dtype=st.sampled_from(DTYPES), activation=st.sampled_from(ACTIVATIONS))
-def test_sparse_mlp_matches_masked_dense(case, dtype, activation, poison):
+@given(case=mlp_cases(), dtype=st.sampled_from(DTYPES), activation=st.sampled_from(ACTIVATIONS),
+       use_native=st.booleans())
+def test_sparse_mlp_matches_masked_dense(case, dtype, activation, use_native, poison):
+    with mock.patch.dict(native._STATE, enabled=use_native and native._STATE["enabled"]):
+        _check_plain(case, dtype, activation)
+
+
+def _check_plain(case, dtype, activation):
     p = mlp_problem(dtype=dtype, gated=False, **case)
     ref, bound = mlp_reference(p, activation, gated=False)
     out = sparse_mlp_torch(p["x"], p["w_up"], p["b_up"], p["w_down_t"], p["b_down"], p["idx"],
@@ -73,6 +81,7 @@ def fused_on_small_shapes(monkeypatch):
     the chunked path runs where the fused one should."""
     monkeypatch.setattr(mlp_mod, "FUSED_MIN_ELEMENTS", 0)
     monkeypatch.setitem(mlp_mod._FUSED, "enabled", True)
+    monkeypatch.setitem(native._STATE, "enabled", False)  # the C kernel would take fp32 calls
     chunked = mlp_mod._chunked_gather_activate
 
     def only_shared_batches(x, w_a, w_b, idx, *args):
@@ -115,6 +124,7 @@ def test_fused_cpu_gather_accepts_parameters_with_grad(fused_on_small_shapes):
 
 def test_fused_cpu_gather_falls_back_when_inductor_fails(monkeypatch):
     """No C++ compiler (or any Inductor failure): one warning, then the chunked path, same result."""
+    monkeypatch.setitem(native._STATE, "enabled", False)
     monkeypatch.setattr(mlp_mod, "FUSED_MIN_ELEMENTS", 0)
     monkeypatch.setitem(mlp_mod._FUSED, "enabled", True)
 
@@ -231,3 +241,104 @@ def test_package_imports_and_runs_without_triton():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "torch.Size([1, 8])" in res.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# the C kernel (native.py): fp32 CPU calls take it when it builds
+
+
+needs_native = pytest.mark.skipif(not native.available(), reason=f"C kernel unavailable: {native._STATE['error']}")
+
+
+@pytest.fixture
+def native_calls(monkeypatch):
+    """Counts C-kernel calls, so a test fails if the torch path silently ran instead."""
+    calls = []
+    real = native.sparse_mlp_f32
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(native, "sparse_mlp_f32", spy)
+    return calls
+
+
+@needs_native
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=mlp_cases(), activation=st.sampled_from(ACTIVATIONS), gated=st.booleans(), stacked=st.booleans(),
+       d_out=st.one_of(st.none(), st.integers(1, 90)), threads=st.sampled_from([1, 2, 3]))
+def test_native_kernel_matches_masked_dense(case, activation, gated, stacked, d_out, threads, native_calls, poison):
+    """Every shape from one neuron to all, shared and per-row idx, biases, a down width unlike d,
+    stacked (strided) gate/up rows, 1-3 threads (the per-thread sums), NaN-poisoned buffers."""
+    p = mlp_problem(dtype=torch.float32, gated=gated, d_out=d_out, **case)
+    ref, bound = mlp_reference(p, activation, gated=gated)
+    calls_before = len(native_calls)  # the fixture lives across Hypothesis examples
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        if gated:
+            wg, wu = p["w_gate"], p["w_up"]
+            if stacked:
+                both = torch.stack([wg, wu], dim=1)
+                wg, wu = both[:, 0], both[:, 1]
+            out = sparse_gated_mlp(p["x"], wg, wu, p["w_down_t"], p["idx"], activation,
+                                   b_gate=p["b_gate"], b_up=p["b_up"], b_down=p["b_down"])
+        else:
+            out = sparse_mlp(p["x"], p["w_up"], p["b_up"], p["w_down_t"], p["b_down"], p["idx"], activation)
+    finally:
+        torch.set_num_threads(before)
+    assert len(native_calls) == calls_before + 1
+    assert_close(out, ref, bound, torch.float32, "C kernel")
+
+
+@needs_native
+def test_native_kernel_reads_shared_idx_expanded_and_writes_given_out(native_calls, poison):
+    """A shared idx expanded to (B, k) (stride 0) and a non-contiguous out buffer."""
+    p = mlp_problem(seed=5, batch=4, d=33, n=60, k=21, dtype=torch.float32, gated=True, per_row=False, biases=True)
+    ref, bound = mlp_reference(p, "gelu", gated=True)
+    out = torch.full((p["x"].shape[1], 4), float("nan")).t()  # (4, d) with strides (1, 4)
+    sparse_gated_mlp_torch(p["x"], p["w_gate"], p["w_up"], p["w_down_t"], p["idx"].expand(4, -1), "gelu",
+                           p["b_gate"], p["b_up"], p["b_down"], out=out)
+    assert len(native_calls) == 1
+    assert_close(out, ref, bound, torch.float32, "C kernel into a strided out")
+
+
+@needs_native
+def test_native_kernel_skips_what_it_cannot_read(native_calls):
+    """fp16, or weight rows that are not unit-stride, take the torch path (and stay right)."""
+    p = mlp_problem(seed=2, batch=2, d=24, n=40, k=10, dtype=torch.float32, gated=True, per_row=True, biases=False)
+    ref, bound = mlp_reference(p, "silu", gated=True)
+    column_major = p["w_gate"].t().contiguous().t()
+    out = sparse_gated_mlp(p["x"], column_major, p["w_up"], p["w_down_t"], p["idx"], "silu")
+    assert_close(out, ref, bound, torch.float32, "torch path on a column-major weight")
+    half = {k: (v.half() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in p.items()}
+    sparse_gated_mlp(half["x"], half["w_gate"], half["w_up"], half["w_down_t"], half["idx"], "silu")
+    assert native_calls == []
+
+
+def test_native_kernel_unavailable_warns_once_and_falls_back(monkeypatch, tmp_path):
+    """No C compiler: one warning naming the reason, then the torch path with the same result."""
+    monkeypatch.setitem(native._STATE, "lib", None)
+    monkeypatch.setitem(native._STATE, "error", None)
+    monkeypatch.setitem(native._STATE, "enabled", True)
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    p = mlp_problem(seed=3, batch=1, d=20, n=30, k=7, dtype=torch.float32, gated=True, per_row=False, biases=False)
+    ref, bound = mlp_reference(p, "silu", gated=True)
+    with pytest.warns(RuntimeWarning, match="no C compiler"):
+        out = sparse_gated_mlp(p["x"], p["w_gate"], p["w_up"], p["w_down_t"], p["idx"], "silu")
+    assert_close(out, ref, bound, torch.float32, "fallback")
+    assert not native.available()
+
+
+@needs_native
+def test_native_kernel_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
+    """The library lands under $DEJAVU_CACHE/kernels; a second build with the same key reuses it."""
+    monkeypatch.setenv("DEJAVU_CACHE", str(tmp_path))
+    cc = native._compiler()
+    first = native._build(cc)
+    assert first.parent == tmp_path / "kernels" and first.exists()
+    stamp = first.stat().st_mtime_ns
+    assert native._build(cc) == first and first.stat().st_mtime_ns == stamp
+    monkeypatch.setattr(native, "_cpu_key", lambda: "another CPU")
+    assert native._build(cc) != first

@@ -118,11 +118,14 @@ def logits_with_hooks(model, ids, handles):
 
 @pytest.mark.parametrize("batch, fused_op", [(1, False), (3, False), (3, True)])
 def test_sparse_decode_matches_masked_reference(batch, fused_op, monkeypatch):
-    """fused_op: the custom op's own Inductor-fused CPU gather (large calls), forced on tiny shapes,
-    running inside the Inductor-compiled graph."""
+    """Every CPU lowering: the custom op (its C kernel, fp32), the decomposed Inductor-fused ops, and
+    with fused_op the custom op's own Inductor-fused gather (no C kernel; large calls), forced on
+    tiny shapes, running inside the Inductor-compiled graph."""
     from dejavu_compile.kernels import mlp as mlp_mod
+    from dejavu_compile.kernels import native
     if fused_op:
         monkeypatch.setattr(mlp_mod, "FUSED_MIN_ELEMENTS", 0)
+        monkeypatch.setitem(native._STATE, "enabled", False)
     model = tiny_model("llama")
     plan = _plan(model, 0.4)
     ids = _ids(batch, 1)
@@ -130,11 +133,18 @@ def test_sparse_decode_matches_masked_reference(batch, fused_op, monkeypatch):
     with torch.no_grad():
         dense = model(ids, use_cache=False).logits
         for options in ({"inner": "eager"}, {"simulate": True, "inner": "eager"},
-                        {"inner": "inductor"}, {"inner": "inductor", "cpu_lowering": "op"}):
+                        {"inner": "inductor"}, {"inner": "inductor", "cpu_lowering": "op"},
+                        {"inner": "inductor", "cpu_lowering": "decomposed"}):
             torch._dynamo.reset()
-            got = torch.compile(model, backend="dejavu", options={"plan": plan, "strict": True, **options})(
-                ids, use_cache=False).logits
+            reports = []
+            got = torch.compile(model, backend="dejavu", options={
+                "plan": plan, "strict": True, "on_report": reports.append, **options})(ids, use_cache=False).logits
             assert describe_difference("logits", got, expected, rtol=1e-4, atol=1e-4) is None, options
+            if options.get("simulate"):
+                continue
+            # "auto" under Inductor: the decomposed ops; eager or cpu_lowering="op": the custom op
+            uses_op = any(n.target is torch.ops.dejavu.sparse_gated_mlp.default for n in reports[-1].graph.graph.nodes)
+            assert uses_op == (options.get("cpu_lowering") == "op" or options["inner"] == "eager"), options
     assert (dense - expected).abs().max() > 1e-3  # the plan really removed something
 
 

@@ -1,6 +1,7 @@
 """Sparse kernels for Deja Vu decoding, registered as ``torch.library`` ops in namespace ``dejavu``.
 
-Ops (each with a fake kernel; CPU runs the torch path, CUDA runs Triton):
+Ops (each with a fake kernel; CUDA runs Triton; CPU runs torch code, and for the fp32 MLP ops a
+C kernel built on first use, ``native.py``):
 - ``sparse_gated_mlp(x, w_gate, w_up, w_down_t, idx, activation, b_gate=None, b_up=None, b_down=None, check_idx=True)``
 - ``sparse_mlp(x, w_up, b_up, w_down_t, b_down, idx, activation, check_idx=True)``
 - ``sparse_head_attention(x, w_q, b_q, k_cache, v_cache, w_o_t, b_o, head_idx, cos, sin,

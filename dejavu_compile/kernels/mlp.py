@@ -9,12 +9,16 @@ idx), reading only those rows of the weights:
 ``w_down_t`` is the down projection's weight transposed, stored contiguous (F, d), so a neuron's
 down column is one contiguous row (see ``prepare.py``).
 
-CPU path (torch). The gate/up gather-GEMV of a large call (``FUSED_MIN_ELEMENTS``) is one loop that
-Inductor generates from ``w[rows] * x`` summed over d (``torch.compile``, dynamic shapes, compiled
-once per process and variant): it reads each selected row in place, vectorized, gate and up rows
-in one pass, on all threads. With it the op reaches 0.74-0.83 of the bandwidth limit at 25-75%
-density on LLaMA-7B shapes (2 threads; benchmarks/kernels.py). Short rows (SmolLM2: 2.3 KB) are
-bound by DRAM latency at each row start and reach far less. Small calls, and machines where
+CPU path, fp32: a C kernel (``cpu_sparse_mlp.c``, built on first use by ``native.py``) makes one
+pass over the selected neurons, reading each one's gate, up and down rows back to back (1.7-1.9x
+the torch path below on SmolLM2 shapes, 1.0-1.14x on LLaMA-7B's; benchmarks/kernels.py).
+
+CPU path, other dtypes (or no C compiler, or ``DEJAVU_CPU_NATIVE=0``): torch. The gate/up
+gather-GEMV of a large call (``FUSED_MIN_ELEMENTS``) is one loop that Inductor generates from
+``w[rows] * x`` summed over d (``torch.compile``, dynamic shapes, compiled once per process and
+variant): it reads each selected row in place, vectorized, gate and up rows in one pass, on all
+threads (0.74-0.83 of the bandwidth limit at 25-75% density on LLaMA-7B shapes; short rows such as
+SmolLM2's 2.3 KB wait on DRAM at each row start and reach far less). Small calls, and machines where
 Inductor cannot compile, gather the selected rows in L2-sized chunks with ``index_select(out=)``
 into one reused buffer and multiply them there (about half the dense bandwidth, no compile). If gate
 and up are the two halves of one (F, 2, d) tensor (``prepare_gated_mlp_weights``), one gather
@@ -33,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _common as C
+from . import native
 
 # Gather this many bytes of weight rows per chunk and thread: the chunk stays in L2 for the matmul.
 # (Measured on LLaMA-7B rows, 2 threads: 256 KiB/thread is 40% slower, 1-2 MiB/thread is best.)
@@ -204,6 +209,10 @@ def _mlp_torch(x, w_a, w_b, w_down_t, idx, activation, b_a, b_b, b_down, out=Non
     """Shared CPU body; w_b is None for the plain MLP. Writes every element of `out`.
     Inference only, like the ops (no autograd formula): weights may be grad-enabled parameters."""
     nb = x.shape[0]
+    if native.applies(x, [w_a, w_b, w_down_t, b_a, b_b, b_down], idx):
+        if out is not None and not out.is_contiguous():
+            return out.copy_(native.sparse_mlp_f32(x, w_a, w_b, w_down_t, idx, activation, b_a, b_b, b_down))
+        return native.sparse_mlp_f32(x, w_a, w_b, w_down_t, idx, activation, b_a, b_b, b_down, out)
     rows = C.rows_2d(idx, nb)
     # Per-row idx (or batch 1): the fused loop. A shared idx over a batch takes the chunked path,
     # which reads each selected row once for all rows.
