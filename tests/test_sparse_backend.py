@@ -148,6 +148,25 @@ def test_sparse_decode_matches_masked_reference(batch, fused_op, monkeypatch):
     assert (dense - expected).abs().max() > 1e-3  # the plan really removed something
 
 
+def test_down_row_sums_split_a_prime_k_into_padded_bags():
+    """k = 131 (prime) kept of 262: the down projection's row sums are cut into 4 bags of 33, the
+    last padded with weight-0 ids; batch 2, so a bag straddling two rows would show."""
+    model = tiny_model("llama", intermediate=262)
+    plan = _plan(model, 0.5)
+    assert {e.k for e in plan.entries.values() if e.kind == "mlp"} == {131}
+    ids = _ids(2, 1)
+    expected = _masked_reference_llama(model, plan, ids)
+    torch._dynamo.reset()
+    reports = []
+    with torch.no_grad():
+        got = torch.compile(model, backend="dejavu", options={
+            "plan": plan, "strict": True, "on_report": reports.append, "cpu_lowering": "decomposed"})(
+            ids, use_cache=False).logits
+    assert describe_difference("logits", got, expected, rtol=1e-4, atol=1e-4) is None
+    graph = reports[-1].graph.graph
+    assert any(n.target is torch.nn.functional.pad for n in graph.nodes)
+
+
 def _int8_plan(model, density):
     from dejavu_compile.predictors import int8_glu_predictor
 
