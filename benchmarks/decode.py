@@ -68,7 +68,7 @@ def run_smollm2(args, report):
     variants = [Variant("HF eager", lambda f: f), Variant("Inductor dense", compiled_forward("inductor"))]
     lowering_of = {}
     for lowering in args.cpu_lowering:  # CPU sparse-MLP lowerings side by side (op: the C kernel)
-        for name, plan in list(plans.items()):
+        for name, plan in plans.items():
             label = name if lowering == "auto" else f"{name} [{lowering}]"
             lowering_of[label] = (name, lowering)
             variants.append(Variant(label, compiled_forward("dejavu", options={"plan": plan, "cpu_lowering": lowering})))

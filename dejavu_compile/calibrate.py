@@ -145,7 +145,7 @@ def calibrate(
     n = samples[layers[0]].mlp_input.shape[0]
     fit_idx, val_idx = _split(n, 0.8, seed)
     # k in multiples of 32 (wide models): the sparse kernels split k into equal parts (bags,
-    # blocks), which an arbitrary k (e.g. a prime) prevents.
+    # blocks); another k (e.g. a prime) works too, padded to equal parts.
     grid_mlp = budget.k_grid(F_, min_density, 20, multiple=32 if F_ >= 512 else 1)
     grid_att = budget.k_grid(H, min(min_density, 1.0 / H), H)
 

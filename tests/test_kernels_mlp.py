@@ -1,10 +1,12 @@
-"""Neuron-sparse MLP ops (CPU torch path) against a float64 dense masked reference."""
+"""Neuron-sparse MLP ops (CPU: the C kernel and the torch path) against a float64 dense masked reference."""
 from __future__ import annotations
+
+import warnings
+from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
-from unittest import mock
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -317,7 +319,7 @@ def test_native_kernel_skips_what_it_cannot_read(native_calls):
     assert native_calls == []
 
 
-def test_native_kernel_unavailable_warns_once_and_falls_back(monkeypatch, tmp_path):
+def test_native_kernel_unavailable_warns_once_and_falls_back(monkeypatch):
     """No C compiler: one warning naming the reason, then the torch path with the same result."""
     monkeypatch.setitem(native._STATE, "lib", None)
     monkeypatch.setitem(native._STATE, "error", None)
@@ -328,6 +330,9 @@ def test_native_kernel_unavailable_warns_once_and_falls_back(monkeypatch, tmp_pa
     with pytest.warns(RuntimeWarning, match="no C compiler"):
         out = sparse_gated_mlp(p["x"], p["w_gate"], p["w_up"], p["w_down_t"], p["idx"], "silu")
     assert_close(out, ref, bound, torch.float32, "fallback")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: later calls stay quiet
+        sparse_gated_mlp(p["x"], p["w_gate"], p["w_up"], p["w_down_t"], p["idx"], "silu")
     assert not native.available()
 
 

@@ -3,9 +3,9 @@
 Why C: the op's torch path is an Inductor-generated gather-GEMV loop over the gate and up rows, a
 second op (embedding_bag) over the down rows, and a nested compiled call; on short rows (SmolLM2:
 2.3 KB) every row start waits on DRAM. One C loop that reads a neuron's three rows back to back,
-with a short software prefetch, makes the op 1.7-1.9x faster on SmolLM2 shapes at 25-75% density
-(efficiency 0.40-0.68 against 0.24-0.44) and 1.0-1.14x on LLaMA-7B's (0.51-0.81 against
-0.46-0.80), per call, overhead included (``python benchmarks/kernels.py --threads 2``). Torch
+with a short software prefetch, makes the op 1.4x / 1.9x / 1.2x faster on SmolLM2 shapes at
+25 / 50 / 75% density (efficiency 0.40 / 0.58 / 0.68 against 0.24 / 0.31 / 0.44) and 0.99-1.14x
+as fast on LLaMA-7B's (efficiency 0.51-0.81 against 0.46-0.80), per call, overhead included (``python benchmarks/kernels.py --threads 2``). Torch
 offers no op that does this, so we compile 100 lines. Inside a compiled decode graph the backend
 still lowers CPU MLPs to Inductor-fused ops by default: measured there, they are as fast
 (``passes/sparsify.py``, ``_use_decomposed``).
