@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     ap.add_argument("--predictors", nargs="+", default=["lowrank", "int8"], choices=["lowrank", "int8"])
     ap.add_argument("--attn-density", type=float, default=1.0,
                     help="share of query heads kept (head predictors trained by calibration; 1.0: attention dense)")
-    ap.add_argument("--cpu-lowering", nargs="+", default=["auto"], choices=["auto", "op", "decomposed"],
+    ap.add_argument("--cpu-lowering", nargs="+", default=["auto"], choices=["auto", "native", "op", "decomposed"],
                     help="CPU sparse-MLP lowerings to compare (auto = decomposed under Inductor; op: the custom op, its C kernel)")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)

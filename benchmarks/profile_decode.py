@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--layout", action="store_true")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--cpu-lowering", nargs="+", default=["auto"], choices=["auto", "op", "decomposed"],
+    ap.add_argument("--cpu-lowering", nargs="+", default=["auto"], choices=["auto", "native", "op", "decomposed"],
                     help="sparse-MLP lowerings to profile (auto = decomposed; op: the custom op, its C kernel)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

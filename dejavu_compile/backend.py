@@ -24,7 +24,9 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "max_batch": 8,  # decode batches above this stay dense
     "on_report": None,  # callable(BackendReport) called after each graph is processed
     "strict": False,  # raise instead of falling back to the dense graph when a pass fails
-    "cpu_lowering": "auto",  # CPU sparse MLPs: "op" (custom op), "decomposed" (Inductor-fused), "auto"
+    # CPU sparse MLPs: "native" (C++ ops, fp32), "op" (the custom op), "decomposed" (aten ops Inductor
+    # fuses); "auto": native where the C++ ops build, else decomposed (op under inner="eager")
+    "cpu_lowering": "auto",
     "simulate": False,  # masked dense simulation of the plan (quality evaluation; any shape, not faster)
 }
 INNER_CHOICES = ("inductor", "eager")
@@ -76,8 +78,8 @@ def validate_options(options: dict | None) -> dict:
 
         if not isinstance(plan, SparsityPlan):
             raise DejavuOptionError(f"option 'plan' must be a dejavu_compile.SparsityPlan, got {type(plan).__name__}")
-    if merged["cpu_lowering"] not in ("auto", "op", "decomposed"):
-        raise DejavuOptionError("option 'cpu_lowering' must be 'auto', 'op' or 'decomposed'")
+    if merged["cpu_lowering"] not in ("auto", "native", "op", "decomposed"):
+        raise DejavuOptionError("option 'cpu_lowering' must be 'auto', 'native', 'op' or 'decomposed'")
     if not (isinstance(merged["max_batch"], int) and merged["max_batch"] >= 1):
         raise DejavuOptionError("option 'max_batch' must be a positive int")
     return merged

@@ -1,11 +1,14 @@
-"""dejavu::int8_linear: the int8 predictor's GEMV (FBGEMM on CPU, dequantized matmul elsewhere)."""
+"""dejavu::int8_linear: the int8 predictor's GEMV (the C kernel on CPU fp32, FBGEMM without a compiler,
+dequantized matmul elsewhere)."""
 from __future__ import annotations
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from dejavu_compile.kernels import int8_linear
+from unittest import mock
+
+from dejavu_compile.kernels import int8_linear, native
 from dejavu_compile.predictors import int8_glu_predictor
 
 
@@ -18,15 +21,33 @@ def _problem(seed, batch, d, n):
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**16), batch=st.integers(1, 8), d=st.integers(8, 200), half=st.integers(1, 150))
-def test_close_to_the_float64_product(seed, batch, d, half):
+@given(seed=st.integers(0, 2**16), batch=st.integers(1, 8), d=st.integers(8, 200), half=st.integers(1, 150),
+       use_native=st.booleans())
+def test_close_to_the_float64_product(seed, batch, d, half, use_native):
     x, q, scale, ref = _problem(seed, batch, d, 2 * half)
-    out = int8_linear(x.float(), q, scale)
+    with mock.patch.dict(native._STATE, enabled=use_native and native._STATE["enabled"]):
+        out = int8_linear(x.float(), q, scale)
     assert out.shape == ref.shape and out.dtype == torch.float32
-    # int8 weights (per-row) and, on CPU, 7-bit dynamic activations: a few % of the row norm bound
+    # int8 weights (per-row) and, on FBGEMM, 7-bit dynamic activations: a few % of the row norm bound
     bound = x.abs().max(1, keepdim=True).values * (q.float().abs() * scale[:, None]).sum(1)[None].double()
     err = (out.double() - ref).abs()
     assert bool((err <= 0.03 * bound + 1e-4).all()), float((err / bound).max())
+
+
+@pytest.mark.skipif(not native.available(), reason="C kernel unavailable")
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), batch=st.integers(1, 8), d=st.integers(1, 300), n=st.integers(1, 150))
+def test_c_kernel_is_the_dequantized_product(seed, batch, d, n):
+    """The C path quantizes only x, to int16 per row: within ~1e-4 of the dequantized weights' product
+    (every d and n, including the kernel's vector and row-quad tails)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, d, generator=g)
+    q = torch.randint(-127, 128, (n, d), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) + 0.01
+    out = int8_linear(x, q, scale)
+    ref = x.double() @ (q.double() * scale.double()[:, None]).T
+    bound = x.abs().max(1, keepdim=True).values.double() * (q.double().abs() * scale.double()[:, None]).sum(1)[None]
+    assert bool(((out.double() - ref).abs() <= 2e-4 * bound + 1e-6).all())
 
 
 def test_fallback_dtype_is_the_exact_dequantized_product():

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from dejavu_compile.kernels import native
 from dejavu_compile.passes.sparsify import PlanMismatchError, prepare_model
 from dejavu_compile.plan import PlanEntry, SparsityPlan, model_fingerprint
 from dejavu_compile.testing import describe_difference, greedy_generate
@@ -61,8 +62,11 @@ def test_full_density_plan_through_sparse_ops_matches_eager(arch):
     rewritten = [r for r in reports if r.rewritten]
     assert rewritten, "no decode graph went through the sparse ops"
     ops = {n.target for r in rewritten for n in r.graph.graph.nodes if n.op == "call_function"}
-    expected = torch.ops.dejavu.sparse_gated_mlp.default if arch in (
-        "llama", "mistral", "qwen2", "gemma3_text", "phi3") else torch.ops.dejavu.sparse_mlp.default
+    if native.load_ops() and arch != "gpt2":  # "auto" on CPU fp32: the C++ op, gated or plain,
+        expected = torch.ops.dejavu.cpu_sparse_mlp.default  # where weight rows are contiguous (not Conv1D's)
+    else:
+        expected = torch.ops.dejavu.sparse_gated_mlp.default if arch in (
+            "llama", "mistral", "qwen2", "gemma3_text", "phi3") else torch.ops.dejavu.sparse_mlp.default
     assert expected in ops
     roles = {n.meta.get("dejavu", {}).get("role") for r in rewritten for n in r.graph.graph.nodes}
     assert "sparse_attention" in roles, "no attention block went through the head-sparse lowering"
@@ -116,13 +120,33 @@ def logits_with_hooks(model, ids, handles):
             h.remove()
 
 
+def _mlp_lowering(report) -> str:
+    targets = {n.target for n in report.graph.graph.nodes if n.op == "call_function"}
+    if native.load_ops() and torch.ops.dejavu.cpu_sparse_mlp.default in targets:
+        return "native"
+    if torch.ops.dejavu.sparse_gated_mlp.default in targets:
+        return "op"
+    assert torch.nn.functional.embedding_bag in targets, targets
+    return "decomposed"
+
+
+def _expected_lowering(options) -> str:
+    """"auto" on CPU fp32: the C++ ops when they build, else the decomposed ops under Inductor and
+    the custom op under eager; "op" and "decomposed" as asked."""
+    choice = options.get("cpu_lowering", "auto")
+    if choice in ("auto", "native") and native.load_ops():
+        return "native"
+    if choice == "auto":
+        return "decomposed" if options["inner"] == "inductor" else "op"
+    return "op" if choice == "native" else choice
+
+
 @pytest.mark.parametrize("batch, fused_op", [(1, False), (3, False), (3, True)])
 def test_sparse_decode_matches_masked_reference(batch, fused_op, monkeypatch):
-    """Every CPU lowering: the custom op (its C kernel, fp32), the decomposed Inductor-fused ops, and
-    with fused_op the custom op's own Inductor-fused gather (no C kernel; large calls), forced on
-    tiny shapes, running inside the Inductor-compiled graph."""
+    """Every CPU lowering: the C++ op (auto), the custom op (its C kernel, fp32), the decomposed
+    Inductor-fused ops, and with fused_op (C and C++ kernels off) the custom op's own Inductor-fused
+    gather (large calls forced on tiny shapes) inside the Inductor-compiled graph."""
     from dejavu_compile.kernels import mlp as mlp_mod
-    from dejavu_compile.kernels import native
     if fused_op:
         monkeypatch.setattr(mlp_mod, "FUSED_MIN_ELEMENTS", 0)
         monkeypatch.setitem(native._STATE, "enabled", False)
@@ -134,7 +158,8 @@ def test_sparse_decode_matches_masked_reference(batch, fused_op, monkeypatch):
         dense = model(ids, use_cache=False).logits
         for options in ({"inner": "eager"}, {"simulate": True, "inner": "eager"},
                         {"inner": "inductor"}, {"inner": "inductor", "cpu_lowering": "op"},
-                        {"inner": "inductor", "cpu_lowering": "decomposed"}):
+                        {"inner": "inductor", "cpu_lowering": "decomposed"},
+                        {"inner": "eager", "cpu_lowering": "op"}):
             torch._dynamo.reset()
             reports = []
             got = torch.compile(model, backend="dejavu", options={
@@ -142,9 +167,7 @@ def test_sparse_decode_matches_masked_reference(batch, fused_op, monkeypatch):
             assert describe_difference("logits", got, expected, rtol=1e-4, atol=1e-4) is None, options
             if options.get("simulate"):
                 continue
-            # "auto" under Inductor: the decomposed ops; eager or cpu_lowering="op": the custom op
-            uses_op = any(n.target is torch.ops.dejavu.sparse_gated_mlp.default for n in reports[-1].graph.graph.nodes)
-            assert uses_op == (options.get("cpu_lowering") == "op" or options["inner"] == "eager"), options
+            assert _mlp_lowering(reports[-1]) == _expected_lowering(options), options
     assert (dense - expected).abs().max() > 1e-3  # the plan really removed something
 
 
@@ -198,8 +221,11 @@ def test_int8_predictor_decode_matches_masked_reference(batch):
                 "plan": plan, "strict": True, "on_report": reports.append, **options})(ids, use_cache=False).logits
             assert describe_difference("logits", got, expected, rtol=1e-4, atol=1e-4) is None, options
             graph = reports[-1].graph.graph
-            assert any(n.meta.get("dejavu", {}).get("role") == "predictor" and not n.meta["dejavu"]["lookahead"]
-                       for n in graph.nodes)
+            predictors = [n for n in graph.nodes if n.meta.get("dejavu", {}).get("role") == "predictor"]
+            assert predictors and not any(n.meta["dejavu"]["lookahead"] for n in predictors)
+            # on CPU fp32 with the C++ ops: scoring and top-k in one call, in the simulation too
+            fused = all(n.target is torch.ops.dejavu.cpu_glu_int8_topk.default for n in predictors)
+            assert fused == native.load_ops(), options
     assert (dense - expected).abs().max() > 1e-3
 
 

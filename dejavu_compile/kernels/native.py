@@ -1,20 +1,26 @@
-"""The CPU sparse MLP kernel in C (``cpu_sparse_mlp.c``), built on first use and called via ctypes.
+"""The CPU sparse MLP kernel in C (``cpu_sparse_mlp.c``), built on first use, called via ctypes by
+the public ops and via the C++ ops of ``cpu_ops.cpp`` by the backend's decode graphs.
 
 Why C: the op's torch path is an Inductor-generated gather-GEMV loop over the gate and up rows, a
 second op (embedding_bag) over the down rows, and a nested compiled call; on short rows (SmolLM2:
 2.3 KB) every row start waits on DRAM. One C loop that reads a neuron's three rows back to back,
 with a short software prefetch, makes the op 1.4x / 1.9x / 1.2x faster on SmolLM2 shapes at
 25 / 50 / 75% density (efficiency 0.40 / 0.58 / 0.68 against 0.24 / 0.31 / 0.44) and 0.99-1.14x
-as fast on LLaMA-7B's (efficiency 0.51-0.81 against 0.46-0.80), per call, overhead included (``python benchmarks/kernels.py --threads 2``). Torch
-offers no op that does this, so we compile 100 lines. Inside a compiled decode graph the backend
-still lowers CPU MLPs to Inductor-fused ops by default: measured there, they are as fast
-(``passes/sparsify.py``, ``_use_decomposed``).
+as fast on LLaMA-7B's (efficiency 0.51-0.81 against 0.46-0.80), per call, overhead included
+(``python benchmarks/kernels.py --threads 2``). Torch offers no op that does this, so we compile
+our own. The same file holds the int8 predictor's GEMV (``int8.py``) and its fused scoring.
 
-Build: the C compiler Inductor uses on CPU anyway (``$CC``, else ``cc``/``gcc``), flags
-``-O3 -march=native -fopenmp``; the library is cached under ``$DEJAVU_CACHE/kernels`` keyed by the
-source, flags, compiler and CPU, so a home directory shared between machines is safe. When no
-compiler works (or ``DEJAVU_CPU_NATIVE=0``), :func:`available` is False, a warning says why once,
-and the callers keep their torch/Inductor path. fp32 only: other dtypes take the torch path.
+Why also C++ (``load_ops``): inside a compiled decode step, a ``torch.library.custom_op`` with a
+Python kernel costs ~140 us per call before the kernel starts (the caches a step leaves behind make
+Python slow), as much as the kernel itself on SmolLM2. Ops registered from C++ are called by
+Inductor's wrapper without Python; the backend lowers CPU fp32 sparse MLPs to them.
+
+Build: the C and C++ compilers Inductor uses on CPU anyway (``$CC``/``$CXX``, else ``cc``/``c++``,
+``gcc``/``g++``), ``-O3 -march=native -fopenmp`` (and torch's headers for the C++ ops); libraries are
+cached under ``$DEJAVU_CACHE/kernels`` keyed by the source, flags, compiler and CPU (and torch's
+version for the C++ ops), so a home directory shared between machines is safe. When a build fails
+(or ``DEJAVU_CPU_NATIVE=0``), a warning says why once and the callers keep their torch/Inductor
+path. fp32 only: other dtypes take the torch path.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ from torch import Tensor
 from . import _common as C
 
 SOURCE = Path(__file__).with_name("cpu_sparse_mlp.c")
+OPS_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 # Prefetch the first PREFETCH_BYTES of each row PREFETCH_ROWS neurons ahead (benchmarks/kernels.py
@@ -45,6 +52,7 @@ PREFETCH_ROWS = 4
 PREFETCH_BYTES = 256
 
 _STATE: dict = {"lib": None, "error": None, "enabled": os.environ.get("DEJAVU_CPU_NATIVE", "1") != "0"}
+_OPS: dict = {"loaded": False, "error": None}
 _LOCK = threading.Lock()
 
 
@@ -58,28 +66,31 @@ def _cpu_key() -> str:
         return platform.processor() + platform.machine()
 
 
-def _compiler() -> Optional[str]:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+def _compiler(names=("cc", "gcc", "clang"), env="CC") -> Optional[str]:
+    for name in (os.environ.get(env), *names):
         if name and shutil.which(name):
             return shutil.which(name)
     return None
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, source: Path = SOURCE, flags: tuple = FLAGS, libs: tuple = ("-lm",),
+           key_extra: str = "") -> Path:
+    """Compile `source` into a shared library under the cache (once per source, flags, compiler, CPU)."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_key()]).encode())
+    texts = [p.read_text() for p in sorted({source, SOURCE})]  # the C++ ops include the C kernel
+    key = hashlib.sha256("\0".join([*texts, " ".join(flags), " ".join(libs), version, _cpu_key(), key_extra]).encode())
     from dejavu_compile.models import cache_dir
 
     folder = cache_dir() / "kernels"
-    target = folder / f"cpu_sparse_mlp-{key.hexdigest()[:16]}.so"
+    target = folder / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
     try:
-        result = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
-                                timeout=120)
+        result = subprocess.run([cc, *flags, str(source), "-o", tmp, *libs], capture_output=True, text=True,
+                                timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"{cc} failed: {result.stderr.strip()[-2000:]}")
         os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
@@ -99,12 +110,13 @@ def _load():
                 if cc is None:
                     raise RuntimeError("no C compiler found (set $CC)")
                 lib = ctypes.CDLL(str(_build(cc)))
-                fn = lib.dejavu_sparse_mlp_f32
                 P, I = ctypes.c_void_p, ctypes.c_int64
-                fn.argtypes = [P, I, I, I, P, I, P, I, P, I, P, P, P, P, I, I, ctypes.c_int, P, P,
-                               ctypes.c_int, I, I]
-                fn.restype = None
-                _STATE["lib"] = fn
+                lib.dejavu_sparse_mlp_f32.argtypes = [P, I, I, I, P, I, P, I, P, I, P, P, P, P, I, I, ctypes.c_int,
+                                                      P, P, ctypes.c_int, I, I]
+                lib.dejavu_int8_linear_f32.argtypes = [P, I, I, P, I, P, P, P, P, ctypes.c_int]
+                for fn in (lib.dejavu_sparse_mlp_f32, lib.dejavu_int8_linear_f32):
+                    fn.restype = None
+                _STATE["lib"] = lib
             except Exception as err:  # no compiler, no OpenMP, a read-only cache: keep the torch path
                 _STATE["error"] = f"{type(err).__name__}: {err}"
                 warnings.warn(f"dejavu: the C sparse MLP kernel is unavailable ({_STATE['error']}); "
@@ -134,7 +146,7 @@ def sparse_mlp_f32(x: Tensor, w_a: Tensor, w_b: Optional[Tensor], w_down_t: Tens
                    activation: str, b_a: Optional[Tensor], b_b: Optional[Tensor], b_down: Optional[Tensor],
                    out: Optional[Tensor] = None) -> Tensor:
     """The C kernel (caller checked arguments and :func:`applies`); writes every element of out."""
-    fn = _load()
+    fn = _load().dejavu_sparse_mlp_f32
     x = x.contiguous()
     nb, d = x.shape
     d_out = w_down_t.shape[1]
@@ -151,3 +163,72 @@ def sparse_mlp_f32(x: Tensor, w_a: Tensor, w_b: Optional[Tensor], w_down_t: Tens
        idx.data_ptr(), idx.shape[-1], 0 if idx.dim() == 1 else idx.stride(0), ACTIVATION_CODES[activation],
        out.data_ptr(), scratch.data_ptr(), threads, PREFETCH_ROWS, PREFETCH_BYTES)
     return out
+
+
+def int8_linear_f32(x: Tensor, w_int8: Tensor, scale: Tensor) -> Tensor:
+    """(B, d) fp32 x (n, d) int8 rows with per-row scales -> (B, n) fp32, x quantized to int16 per
+    row (the caller checked arguments and :func:`available`; w_int8 and scale contiguous)."""
+    x = x.contiguous()
+    nb, d = x.shape
+    n = w_int8.shape[0]
+    out = C.empty(nb, n, dtype=torch.float32, device=x.device)
+    x_int16 = torch.empty(nb, d, dtype=torch.int16)
+    x_scale = torch.empty(nb, dtype=torch.float32)
+    _load().dejavu_int8_linear_f32(x.data_ptr(), nb, d, w_int8.data_ptr(), n, scale.data_ptr(), out.data_ptr(),
+                                   x_int16.data_ptr(), x_scale.data_ptr(), torch.get_num_threads())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The backend's CPU decode ops, registered from C++ (cpu_ops.cpp): no Python between Inductor's
+# wrapper and the kernel. dejavu::cpu_sparse_mlp runs the C kernel above; dejavu::cpu_glu_int8_topk
+# scores neurons with the int8 predictor and keeps the top k (ascending ids) in the same call.
+
+
+def load_ops() -> bool:
+    """Build (once per machine, with the C++ compiler Inductor uses) and load the C++ ops; False,
+    with one warning naming the reason, when that fails (the backend then keeps its aten lowering)."""
+    if not _STATE["enabled"]:
+        return False
+    if _OPS["loaded"] or _OPS["error"] is not None:
+        return _OPS["loaded"]
+    with _LOCK:
+        if not _OPS["loaded"] and _OPS["error"] is None:
+            try:
+                cxx = _compiler(("c++", "g++", "clang++"), "CXX")
+                if cxx is None:
+                    raise RuntimeError("no C++ compiler found (set $CXX)")
+                from torch.utils import cpp_extension
+
+                flags = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++20", "-w",
+                         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                         *(f"-I{p}" for p in cpp_extension.include_paths()))
+                libs = (*(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-lm")
+                torch.ops.load_library(str(_build(cxx, OPS_SOURCE, flags, libs, key_extra=torch.__version__)))
+                _register_fakes()
+                _OPS["loaded"] = True
+            except Exception as err:
+                _OPS["error"] = f"{type(err).__name__}: {err}"
+                warnings.warn(f"dejavu: the C++ CPU decode ops are unavailable ({_OPS['error']}); the backend "
+                              "lowers CPU sparse MLPs to aten ops instead", RuntimeWarning, stacklevel=2)
+    return _OPS["loaded"]
+
+
+def _register_fakes() -> None:
+    from .mlp import _check
+
+    @torch.library.register_fake("dejavu::cpu_sparse_mlp")
+    def _(x, w_a, w_b, w_down_t, idx, activation, b_a=None, b_b=None, b_down=None):
+        _check(x, w_a, w_b, w_down_t, idx, activation, b_a, b_b, b_down, "w_a", "w_b")
+        return x.new_empty(x.shape[0], w_down_t.shape[1])
+
+    @torch.library.register_fake("dejavu::cpu_glu_int8_topk")
+    def _(x, w_int8, scale, k, activation):
+        # dtypes and ranks only: the C++ kernel checks the sizes (a size test here would put a guard
+        # on the graph constant's size, which Dynamo cannot express)
+        C.check_x(x)
+        C.check_activation(activation)
+        if w_int8.dtype != torch.int8 or w_int8.dim() != 2 or scale.dim() != 1:
+            raise ValueError(f"w_int8 must be int8 (2F, d) and scale (2F,), got {w_int8.dtype} "
+                             f"{tuple(w_int8.shape)} and {tuple(scale.shape)}")
+        return x.new_empty(x.shape[0], k, dtype=torch.int64)

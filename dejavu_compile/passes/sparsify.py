@@ -24,6 +24,7 @@ import torch.fx as fx
 from dejavu_compile.kernels import ACTIVATIONS as KERNEL_ACTIVATIONS  # also registers the dejavu:: ops
 from dejavu_compile.backend import DejavuOptionError
 from dejavu_compile.blocks import MLPBlock, WeightRef
+from dejavu_compile.kernels import native
 from dejavu_compile.passes.graph_utils import shape_of
 
 log = logging.getLogger("dejavu_compile")
@@ -208,7 +209,7 @@ def sparsify(gm: fx.GraphModule, example_inputs, report, opts) -> fx.GraphModule
     tokens = {b.tokens for b in match.blocks}
     batch = max(b.batch for b in match.blocks)
     if opts.get("simulate"):
-        return _simulate(gm, match, plan, report, example_inputs)
+        return _simulate(gm, match, plan, report, example_inputs, opts)
     if tokens != {1}:
         report.dense_reason = f"prefill-shaped graph ({max(tokens)} tokens per sequence): dense"
         return gm
@@ -237,8 +238,9 @@ def sparsify(gm: fx.GraphModule, example_inputs, report, opts) -> fx.GraphModule
     return gm
 
 
-def _insert_selection(gm, graph, block, entry, ordered, values):
+def _insert_selection(gm, graph, block, entry, ordered, values, opts=None):
     """Predictor and top-k, right after the input they read (as early as their inputs allow).
+    The int8 predictor on CPU fp32 is one C++ op that scores and selects (``cpu_glu_int8_topk``).
 
     Returns (flat (tokens, k) neuron or head ids, the node the predictor reads)."""
     x = block.nodes["input"]
@@ -247,12 +249,21 @@ def _insert_selection(gm, graph, block, entry, ordered, values):
     dtype = weight_value.dtype if weight_value is not None else torch.float32
     device = _value_device(values, weight_node)
     source = _previous_input(block, ordered) if entry.lookahead else x
+    prefix = f"dejavu_L{block.layer}_{block.kind}"
+    fused = (entry.nonlinearity == "glu_int8" and opts is not None and dtype == torch.float32
+             and _cpu_lowering(opts, weight_value) == "native")
     with graph.inserting_before(source.next):
         flat_source = graph.call_method("reshape", (source, -1, shape_of(source)[-1]))
-        scores = _emit_predictor(gm, graph, entry, flat_source, f"dejavu_L{block.layer}_{block.kind}", dtype, device)
-        top = graph.call_function(torch.topk, (scores, entry.k), {"dim": -1, "sorted": False})
-        idx = graph.call_function(operator.getitem, (top, 1))
-    for node in (scores, idx):
+        if fused:
+            q = _const(gm, graph, f"{prefix}_A_int8", entry.A.detach().to(device=device).contiguous())
+            scale = _const(gm, graph, f"{prefix}_a", entry.a.detach().to(device=device, dtype=torch.float32).contiguous())
+            scores = idx = graph.call_function(torch.ops.dejavu.cpu_glu_int8_topk.default,
+                                               (flat_source, q, scale, entry.k, _activation_name(entry.activation)))
+        else:
+            scores = _emit_predictor(gm, graph, entry, flat_source, prefix, dtype, device)
+            top = graph.call_function(torch.topk, (scores, entry.k), {"dim": -1, "sorted": False})
+            idx = graph.call_function(operator.getitem, (top, 1))
+    for node in {scores: None, idx: None}:
         node.meta["dejavu"] = {"role": "predictor" if node is scores else "topk", "layer": block.layer,
                                "kind": block.kind, "reads": source.name, "lookahead": source is not x}
     return idx, source
@@ -264,7 +275,7 @@ def _value_device(values, node) -> torch.device:
     return value.device if value is not None else torch.device("cpu")
 
 
-def _simulate(gm, match, plan, report, example_inputs) -> fx.GraphModule:
+def _simulate(gm, match, plan, report, example_inputs, opts) -> fx.GraphModule:
     """Masked dense simulation: the same predictors and top-k, applied as a 0/1 mask on the
     activations before the dense down projection (on the attention output for heads). Exact per
     token, any number of tokens (so it evaluates perplexity in one prefill pass); reads every
@@ -279,7 +290,7 @@ def _simulate(gm, match, plan, report, example_inputs) -> fx.GraphModule:
         entry = plan.entries.get((block.layer, "mlp"))
         if entry is None or entry.dense:
             continue
-        idx, _ = _insert_selection(gm, graph, block, entry, ordered, values)
+        idx, _ = _insert_selection(gm, graph, block, entry, ordered, values, opts)
         hidden = block.nodes["hidden"]
         with graph.inserting_before(hidden.next):
             flat = graph.call_method("reshape", (hidden, -1, block.intermediate_size))
@@ -304,17 +315,29 @@ def _dtype_of(values, block: MLPBlock):
     return weight.dtype if weight is not None else torch.float32
 
 
-def _use_decomposed(opts, weight) -> bool:
-    """CPU + Inductor: plain gather/reduce ops that Inductor fuses into one loop reading the selected
-    rows in place, with no per-layer op call; elsewhere the custom ops (Triton on CUDA, the C kernel
-    on CPU). Measured inside SmolLM2 and LLaMA-7B-shaped decode steps, the decomposed form is as fast
-    as the op with its C kernel, or faster (the op call costs ~30 us a layer), although the C kernel
-    alone is faster on cold weights (benchmarks/README.md)."""
+def _cpu_lowering(opts, weight) -> str | None:
+    """How a CPU sparse MLP is lowered: "native" (the C++ ops of kernels/cpu_ops.cpp, called straight
+    from Inductor's wrapper), "decomposed" (aten gathers that Inductor fuses) or "op" (the public
+    custom op); None off the CPU (the custom op, Triton on CUDA).
+
+    "auto" takes "native" for fp32 weights when the C++ ops build, else "decomposed" under Inductor
+    and "op" under eager. Measured inside SmolLM2 decode steps, a custom op with a Python kernel
+    costs ~140 us a call and torch.topk ~55 us with the caches a step leaves, which is what made
+    the op and the decomposed form lose to dense there (benchmarks/README.md)."""
+    if weight is not None and weight.device.type != "cpu":
+        return None
     choice = opts.get("cpu_lowering", "auto")
-    on_cpu = weight is None or weight.device.type == "cpu"
+    fp32 = weight is None or weight.dtype == torch.float32
+    if choice in ("auto", "native") and fp32 and native.load_ops():
+        return "native"
     if choice == "auto":
-        return on_cpu and opts["inner"] == "inductor"
-    return on_cpu and choice == "decomposed"
+        return "decomposed" if opts["inner"] == "inductor" else "op"
+    return "op" if choice == "native" else choice
+
+
+def _unit_stride_rows(ref: WeightRef, value) -> bool:
+    """Whether the (F, d) rows view of a projection's weight has contiguous rows (what the C kernel reads)."""
+    return ref.layout != "in_out" and value is not None and value.stride(-1) == 1
 
 
 def _emit_decomposed(graph, block, x2d, idx, k, w_gate, b_gate, w_up, b_up, w_down_t, b_down) -> fx.Node:
@@ -392,7 +415,7 @@ def _transposed_weight(gm, graph, ref: WeightRef, value, name: str, report, what
 def _rewrite_mlp(gm, graph, block: MLPBlock, entry, ordered, values, report, opts) -> None:
     x = block.nodes["input"]
     prefix = f"dejavu_L{block.layer}_mlp"
-    idx, source = _insert_selection(gm, graph, block, entry, ordered, values)
+    idx, source = _insert_selection(gm, graph, block, entry, ordered, values, opts)
 
     # 2. The sparse op in place of the block.
     down_value = values.get(block.down.node)
@@ -405,7 +428,16 @@ def _rewrite_mlp(gm, graph, block: MLPBlock, entry, ordered, values, report, opt
         b_up = _bias_view(graph, block.up)
         w_gate = _rows_view(graph, block.gate, values.get(block.gate.node)) if block.gated else None
         b_gate = _bias_view(graph, block.gate) if block.gated else None
-        if _use_decomposed(opts, values.get(block.up.node)):
+        lowering = _cpu_lowering(opts, values.get(block.up.node))
+        if lowering == "native" and not all(_unit_stride_rows(ref, values.get(ref.node))
+                                            for ref in ((block.gate, block.up) if block.gated else (block.up,))):
+            lowering = "decomposed" if opts["inner"] == "inductor" else "op"  # GPT-2's Conv1D: (in, out) weights
+        if lowering == "native":
+            out = graph.call_function(torch.ops.dejavu.cpu_sparse_mlp.default,
+                                      (x2d, w_gate if block.gated else w_up, w_up if block.gated else None, w_down_t,
+                                       idx, block.activation, b_gate if block.gated else b_up,
+                                       b_up if block.gated else None, b_down))
+        elif lowering == "decomposed":
             out = _emit_decomposed(graph, block, x2d, idx, entry.k, w_gate, b_gate, w_up, b_up, w_down_t, b_down)
         elif block.gated:
             out = graph.call_function(torch.ops.dejavu.sparse_gated_mlp.default,

@@ -1,0 +1,155 @@
+// The backend's CPU decode ops, registered with the dispatcher from C++ (namespace dejavu):
+//
+//   cpu_sparse_mlp(x, w_a, w_b?, w_down_t, idx, activation, b_a?, b_b?, b_down?) -> (B, d_out)
+//       the C kernel of cpu_sparse_mlp.c (w_b None: plain MLP act(w_a x)), fp32;
+//   cpu_glu_int8_topk(x, w_int8, scale, k, activation) -> (B, k) int64, ascending
+//       the int8 predictor's scores |act(g~) * u~| and their top k, in one call.
+//
+// Why C++: inside a compiled decode step each op call is made from Inductor's Python wrapper, and
+// what it costs there is Python, not arithmetic. With the caches as a decode step leaves them (a
+// layer's weights streamed through L2 since the last call), a torch.library.custom_op call with a
+// Python kernel costs ~140 us before its kernel starts, torch.topk ~55 us, a plain aten op ~15 us;
+// SmolLM2's dense MLP takes ~550 us a layer, so per-layer overheads ate the savings. These ops go
+// from the wrapper straight to C++ (no autograd kernel: inference only). Built by native.py.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#define restrict __restrict__
+extern "C" {
+#include "cpu_sparse_mlp.c"
+}
+#undef restrict
+
+namespace {
+
+int activation_code(c10::string_view name) {
+  if (name == "silu") return ACT_SILU;
+  if (name == "gelu") return ACT_GELU;
+  if (name == "gelu_tanh") return ACT_GELU_TANH;
+  if (name == "relu") return ACT_RELU;
+  TORCH_CHECK(false, "activation must be one of silu, gelu, gelu_tanh, relu, got ", std::string(name));
+}
+
+void check_f32_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+}
+
+void check_rows(const at::Tensor& w, const char* name, int64_t n, int64_t width) {
+  check_f32_cpu(w, name);
+  TORCH_CHECK(w.dim() == 2 && w.size(0) == n && w.size(1) == width, name, " must be (", n, ", ", width,
+              "), got ", w.sizes());
+  TORCH_CHECK(w.stride(1) == 1, name, "'s rows must be contiguous (stride 1 along dim 1)");
+}
+
+const float* bias_ptr(const std::optional<at::Tensor>& b, const char* name, int64_t n) {
+  if (!b.has_value()) return nullptr;
+  check_f32_cpu(*b, name);
+  TORCH_CHECK(b->dim() == 1 && b->size(0) == n && b->is_contiguous(), name, " must be contiguous (", n,
+              "), got ", b->sizes());
+  return b->data_ptr<float>();
+}
+
+at::Tensor cpu_sparse_mlp(const at::Tensor& x_in, const at::Tensor& w_a, const std::optional<at::Tensor>& w_b,
+                          const at::Tensor& w_down_t, const at::Tensor& idx, c10::string_view activation,
+                          const std::optional<at::Tensor>& b_a, const std::optional<at::Tensor>& b_b,
+                          const std::optional<at::Tensor>& b_down) {
+  const int act = activation_code(activation);
+  check_f32_cpu(x_in, "x");
+  TORCH_CHECK(x_in.dim() == 2, "x must be (batch, d), got ", x_in.sizes());
+  const at::Tensor x = x_in.contiguous();
+  const int64_t nb = x.size(0), d = x.size(1), n = w_a.size(0), d_out = w_down_t.size(1);
+  check_rows(w_a, "w_a", n, d);
+  if (w_b.has_value()) check_rows(*w_b, "w_b", n, d);
+  check_rows(w_down_t, "w_down_t", n, d_out);
+  TORCH_CHECK(idx.scalar_type() == at::kLong && idx.device().is_cpu(), "idx must be int64 on the CPU, got ",
+              idx.scalar_type(), " on ", idx.device());
+  TORCH_CHECK((idx.dim() == 1 || (idx.dim() == 2 && idx.size(0) == nb)) && idx.size(-1) >= 1 &&
+                  idx.stride(-1) == 1,
+              "idx must be (k,) or (", nb, ", k) with k >= 1 and unit stride along k, got ", idx.sizes());
+  const int64_t k = idx.size(-1), row_stride = idx.dim() == 1 ? 0 : idx.stride(0);
+  const int64_t* ids = idx.data_ptr<int64_t>();
+  for (int64_t r = 0; r < (idx.dim() == 1 ? 1 : nb); r++)
+    for (int64_t j = 0; j < k; j++) {
+      const int64_t v = ids[r * row_stride + j];
+      TORCH_CHECK(v >= 0 && v < n, "idx holds ", v, ", out of range for ", n, " neurons");
+    }
+  const float* pa = bias_ptr(b_a, "b_a", n);
+  const float* pb = bias_ptr(b_b, "b_b", n);
+  const float* pd = bias_ptr(b_down, "b_down", d_out);
+  const int threads = at::get_num_threads();
+  at::Tensor out = at::empty({nb, d_out}, x.options());
+  at::Tensor scratch = at::empty({threads * nb * d_out}, x.options());
+  dejavu_sparse_mlp_f32(x.data_ptr<float>(), nb, d, d_out, w_a.data_ptr<float>(), w_a.stride(0),
+                        w_b.has_value() ? w_b->data_ptr<float>() : nullptr, w_b.has_value() ? w_b->stride(0) : 0,
+                        w_down_t.data_ptr<float>(), w_down_t.stride(0), pa, pb, pd, ids, k, row_stride, act,
+                        out.data_ptr<float>(), scratch.data_ptr<float>(), threads, 4, 256);
+  return out;
+}
+
+// Ids of the k largest of s[0..n), ascending (NaN counts as the largest, as in torch.topk).
+void topk_ascending(const float* s, int64_t n, int64_t k, int64_t* out, std::vector<float>& tmp) {
+  const float inf = std::numeric_limits<float>::infinity();
+  auto key = [inf](float v) { return std::isnan(v) ? inf : v; };
+  tmp.resize(n);
+  for (int64_t i = 0; i < n; i++) tmp[i] = key(s[i]);
+  std::nth_element(tmp.begin(), tmp.begin() + (n - k), tmp.end());
+  const float threshold = tmp[n - k];  // the k-th largest: all above it are in, ties fill the rest
+  int64_t above = 0;
+  for (int64_t i = 0; i < n; i++) above += key(s[i]) > threshold;
+  int64_t ties = k - above, m = 0;
+  for (int64_t i = 0; i < n && m < k; i++) {
+    const float v = key(s[i]);
+    if (v > threshold || (v == threshold && ties-- > 0)) out[m++] = i;
+  }
+}
+
+at::Tensor cpu_glu_int8_topk(const at::Tensor& x_in, const at::Tensor& w_int8, const at::Tensor& scale,
+                             int64_t k, c10::string_view activation) {
+  const int act = activation_code(activation);
+  check_f32_cpu(x_in, "x");
+  TORCH_CHECK(x_in.dim() == 2, "x must be (batch, d), got ", x_in.sizes());
+  const at::Tensor x = x_in.contiguous();
+  const int64_t nb = x.size(0), d = x.size(1);
+  TORCH_CHECK(w_int8.device().is_cpu() && w_int8.scalar_type() == at::kChar && w_int8.dim() == 2 &&
+                  w_int8.size(1) == d && w_int8.size(0) % 2 == 0 && w_int8.is_contiguous(),
+              "w_int8 must be contiguous int8 (2F, ", d, ") on the CPU, got ", w_int8.scalar_type(), " ",
+              w_int8.sizes());
+  const int64_t n = w_int8.size(0) / 2;
+  check_f32_cpu(scale, "scale");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == 2 * n && scale.is_contiguous(), "scale must be contiguous (",
+              2 * n, "), got ", scale.sizes());
+  TORCH_CHECK(k >= 1 && k <= n, "k must be in [1, ", n, "], got ", k);
+  at::Tensor scores = at::empty({nb, n}, x.options());
+  at::Tensor x_int16 = at::empty({nb, d}, x.options().dtype(at::kShort));
+  at::Tensor x_scale = at::empty({nb}, x.options());
+  dejavu_glu_int8_scores_f32(x.data_ptr<float>(), nb, d, w_int8.data_ptr<int8_t>(), scale.data_ptr<float>(), n,
+                             act, scores.data_ptr<float>(), x_int16.data_ptr<int16_t>(), x_scale.data_ptr<float>(),
+                             at::get_num_threads());
+  at::Tensor idx = at::empty({nb, k}, x.options().dtype(at::kLong));
+  std::vector<float> tmp;
+  for (int64_t b = 0; b < nb; b++)
+    topk_ascending(scores.data_ptr<float>() + b * n, n, k, idx.data_ptr<int64_t>() + b * k, tmp);
+  return idx;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dejavu, m) {
+  m.def("cpu_sparse_mlp(Tensor x, Tensor w_a, Tensor? w_b, Tensor w_down_t, Tensor idx, str activation, "
+        "Tensor? b_a=None, Tensor? b_b=None, Tensor? b_down=None) -> Tensor");
+  m.def("cpu_glu_int8_topk(Tensor x, Tensor w_int8, Tensor scale, int k, str activation) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(dejavu, CPU, m) {
+  m.impl("cpu_sparse_mlp", &cpu_sparse_mlp);
+  m.impl("cpu_glu_int8_topk", &cpu_glu_int8_topk);
+}

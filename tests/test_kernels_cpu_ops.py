@@ -1,0 +1,160 @@
+"""The backend's C++ CPU decode ops (kernels/cpu_ops.cpp): dejavu::cpu_sparse_mlp against a float64
+dense masked reference, dejavu::cpu_glu_int8_topk against float64 scores of the dequantized weights."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+from tests.conftest_kernels import act64, assert_close, mlp_cases, mlp_problem, mlp_reference
+from dejavu_compile.kernels import ACTIVATIONS, int8_linear, native
+from dejavu_compile.predictors import int8_glu_predictor
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.skipif(not native.load_ops(), reason=f"C++ ops unavailable: {native._OPS['error']}")
+
+
+def sparse_mlp_op(p, activation, gated, stacked=False):
+    w_a, w_b = (p["w_gate"], p["w_up"]) if gated else (p["w_up"], None)
+    if stacked and gated:
+        both = torch.stack([w_a, w_b], dim=1)  # rows 2d apart, as prepare_gated_mlp_weights lays them out
+        w_a, w_b = both[:, 0], both[:, 1]
+    b_a, b_b = (p["b_gate"], p["b_up"]) if gated else (p["b_up"], None)
+    return torch.ops.dejavu.cpu_sparse_mlp(p["x"], w_a, w_b, p["w_down_t"], p["idx"], activation, b_a, b_b,
+                                           p["b_down"])
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=mlp_cases(), activation=st.sampled_from(ACTIVATIONS), gated=st.booleans(), stacked=st.booleans(),
+       d_out=st.one_of(st.none(), st.integers(1, 90)), threads=st.sampled_from([1, 2, 3]))
+def test_cpu_sparse_mlp_matches_masked_dense(case, activation, gated, stacked, d_out, threads):
+    """One neuron to all, shared and per-row idx, biases, a down width unlike d, stacked rows, 1-3
+    threads. The op allocates its output inside C++, so a NaN-poisoned buffer cannot be handed in:
+    the reference comparison catches any element left unwritten."""
+    p = mlp_problem(dtype=torch.float32, gated=gated, d_out=d_out, **case)
+    ref, bound = mlp_reference(p, activation, gated=gated)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = sparse_mlp_op(p, activation, gated, stacked)
+    finally:
+        torch.set_num_threads(before)
+    assert_close(out, ref, bound, torch.float32, "cpu_sparse_mlp")
+
+
+def int8_problem(seed, batch, d, n):
+    g = torch.Generator().manual_seed(seed)
+    wg, wu = torch.randn(n, d, generator=g) / d ** 0.5, torch.randn(n, d, generator=g) / d ** 0.5
+    t = int8_glu_predictor(wg, wu)
+    return torch.randn(batch, d, generator=g), t["A"].contiguous(), t["a"].float().contiguous()
+
+
+def int8_scores64(x, w_int8, scale, activation):
+    """|act(g) * u| in float64 from the dequantized int8 weights and the exact x."""
+    h = x.double() @ (w_int8.double() * scale.double()[:, None]).T
+    n = w_int8.shape[0] // 2
+    return (act64(h[:, :n], activation) * h[:, n:]).abs()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), batch=st.integers(1, 8), d=st.integers(1, 200), n=st.integers(1, 150),
+       share=st.floats(0.0, 1.0), activation=st.sampled_from(ACTIVATIONS), threads=st.sampled_from([1, 2, 3]))
+def test_cpu_glu_int8_topk_keeps_the_top_scores(seed, batch, d, n, share, activation, threads):
+    """d and F off every vector width (the kernel's tails), odd F (its last pair), k from 1 to F:
+    ids ascending, distinct, in range, and no neuron left out scores clearly above one kept."""
+    x, w_int8, scale = int8_problem(seed, batch, d, n)
+    k = max(1, round(share * n))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        idx = torch.ops.dejavu.cpu_glu_int8_topk(x, w_int8, scale, k, activation)
+    finally:
+        torch.set_num_threads(before)
+    assert idx.shape == (batch, k) and idx.dtype == torch.int64
+    assert bool((idx[:, 1:] > idx[:, :-1]).all()) and int(idx.min()) >= 0 and int(idx.max()) < n
+    scores = int8_scores64(x, w_int8, scale, activation)
+    kept = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, idx, True)
+    lowest_kept = scores.masked_fill(~kept, float("inf")).min(1).values
+    highest_left = scores.masked_fill(kept, -float("inf")).max(1).values
+    # x is quantized to int16 inside the op: scores agree to ~1e-4 of the largest
+    tol = 1e-3 * scores.max(1).values + 1e-12
+    assert bool((highest_left <= lowest_kept + tol).all()), (highest_left - lowest_kept).max()
+
+
+def test_int8_scores_agree_with_int8_linear():
+    """The fused op and the int8_linear op (calibration, simulation, other lowerings) score with the
+    same integer arithmetic: their top-k agree."""
+    x, w_int8, scale = int8_problem(7, 4, 96, 300)
+    h = int8_linear(x, w_int8, scale)
+    scores = (F.silu(h[:, :300]) * h[:, 300:]).abs()
+    expected = torch.topk(scores, 120, dim=-1).indices.sort(-1).values
+    assert torch.equal(torch.ops.dejavu.cpu_glu_int8_topk(x, w_int8, scale, 120, "silu"), expected)
+
+
+def test_nan_input_gives_valid_ids():
+    """A NaN in x: NaN scores count as the largest (as in torch.topk) and the ids stay valid."""
+    x, w_int8, scale = int8_problem(3, 2, 40, 50)
+    x[0, 3] = float("nan")
+    idx = torch.ops.dejavu.cpu_glu_int8_topk(x, w_int8, scale, 10, "silu")
+    assert idx.shape == (2, 10) and int(idx.min()) >= 0 and int(idx.max()) < 50
+    assert bool((idx[:, 1:] > idx[:, :-1]).all())
+
+
+def test_opcheck_and_inside_compile():
+    p = mlp_problem(seed=1, batch=2, d=24, n=40, k=9, dtype=torch.float32, gated=True, per_row=True, biases=True)
+    x, w_int8, scale = int8_problem(2, 2, 24, 40)
+    mlp_args = (p["x"], p["w_gate"], p["w_up"], p["w_down_t"], p["idx"], "gelu", p["b_gate"], p["b_up"], p["b_down"])
+    torch.library.opcheck(torch.ops.dejavu.cpu_sparse_mlp.default, mlp_args)
+    torch.library.opcheck(torch.ops.dejavu.cpu_glu_int8_topk.default, (x, w_int8, scale, 11, "silu"))
+
+    def step(x):
+        idx = torch.ops.dejavu.cpu_glu_int8_topk(x, w_int8, scale, 11, "silu")
+        return torch.ops.dejavu.cpu_sparse_mlp(x, p["w_gate"], p["w_up"], p["w_down_t"], idx, "silu") * 2 + 1
+
+    compiled = torch.compile(step, backend="inductor", fullgraph=True)
+    torch.testing.assert_close(compiled(x), step(x), rtol=0, atol=0)
+
+
+def test_bad_input_is_a_clear_error():
+    p = mlp_problem(seed=4, batch=1, d=16, n=20, k=5, dtype=torch.float32, gated=True, per_row=False, biases=False)
+    op = torch.ops.dejavu.cpu_sparse_mlp
+    with pytest.raises(RuntimeError, match="float32"):
+        op(p["x"].half(), p["w_gate"], p["w_up"], p["w_down_t"], p["idx"], "silu")
+    with pytest.raises(RuntimeError, match="out of range"):
+        op(p["x"], p["w_gate"], p["w_up"], p["w_down_t"], torch.tensor([0, 20]), "silu")
+    with pytest.raises(RuntimeError, match="int64"):
+        op(p["x"], p["w_gate"], p["w_up"], p["w_down_t"], p["idx"].int(), "silu")
+    with pytest.raises(RuntimeError, match="w_b must be"):
+        op(p["x"], p["w_gate"], p["w_up"][:, :8], p["w_down_t"], p["idx"], "silu")
+    with pytest.raises(RuntimeError, match="rows must be contiguous"):
+        op(p["x"], p["w_gate"].t().contiguous().t(), p["w_up"], p["w_down_t"], p["idx"], "silu")
+    with pytest.raises(RuntimeError, match="activation"):
+        op(p["x"], p["w_gate"], p["w_up"], p["w_down_t"], p["idx"], "tanh")
+    x, w_int8, scale = int8_problem(5, 1, 16, 20)
+    topk = torch.ops.dejavu.cpu_glu_int8_topk
+    with pytest.raises(RuntimeError, match="k must be"):
+        topk(x, w_int8, scale, 21, "silu")
+    with pytest.raises(RuntimeError, match="w_int8"):
+        topk(x, w_int8.float(), scale, 3, "silu")
+    with pytest.raises(RuntimeError, match="scale"):
+        topk(x, w_int8, scale[:-1], 3, "silu")
+
+
+def test_build_failure_warns_once_and_the_backend_keeps_aten(monkeypatch):
+    """No C++ compiler: load_ops() is False with one warning naming why; the lowering falls back."""
+    from dejavu_compile.passes.sparsify import _cpu_lowering
+
+    monkeypatch.setitem(native._OPS, "loaded", False)
+    monkeypatch.setitem(native._OPS, "error", None)
+    monkeypatch.setattr(native, "_compiler", lambda *a, **k: None)
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+        assert not native.load_ops()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not native.load_ops()
+    weight = torch.zeros(4, 4)
+    assert _cpu_lowering({"cpu_lowering": "auto", "inner": "inductor"}, weight) == "decomposed"
+    assert _cpu_lowering({"cpu_lowering": "auto", "inner": "eager"}, weight) == "op"
