@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from dejavu_compile.calibrate import DEFAULT_MLP_DENSITY, calibrate
+from dejavu_compile.calibrate import calibrate
 from dejavu_compile.quality import (
     SIM_LABEL, TealSelector, cats_selector, oracle_selector, perplexity, plan_selector, smollm2_harness,
 )
@@ -112,11 +112,8 @@ def main(argv=None) -> int:
     head_rows = [r for r in rows if "attn_density" in r]
     rows = [r for r in rows if "attn_density" not in r]
 
-    # Default operating point (what `calibrate()` returns with its defaults: lookahead, DEFAULT_MLP_DENSITY).
-    if "learned_lookahead" in builders:
-        default_plan = builders["learned_lookahead"](DEFAULT_MLP_DENSITY)
-    else:
-        default_plan = calibrate(model, tok, samples=samples, progress=False)
+    # Default operating point: what `calibrate()` returns with its defaults (on CPU: the int8 predictor).
+    default_plan = calibrate(model, tok, samples=samples, progress=False)
     record("default_plan", default_plan.mlp_density, plan_selector(default_plan), {"collect_s": collect_s})
 
     # Per-layer recall/mass, with and without lookahead, at 0.5 (or the first density) if calibrated.

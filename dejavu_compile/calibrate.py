@@ -21,13 +21,14 @@ from dejavu_compile.predictors import (fit_glu_predictor, glu_scores, int8_glu_p
 from dejavu_compile.collect import collect
 
 # Recommended operating point, measured with benchmarks/quality.py and benchmarks/decode.py on
-# SmolLM2-135M (held-out Wikipedia / news, masked dense simulation): the low-rank lookahead
-# predictor is far from the oracle on this SwiGLU model, so the default that honours the <= +3%
-# budget is barely sparse: target 0.98 -> one sparse layer after the cost-aware allocation,
-# +1.9% / +2.4%, decode at parity with dense Inductor on 2 CPU cores. predictor="int8" selects
-# near-oracle neurons (0.70: +0.6% / +2.5%) but decodes at 0.75x there (its predictor and the row
-# gathers cost more than the rows saved), so the default stays the cheaper low-rank predictor.
-DEFAULT_MLP_DENSITY = 0.98
+# SmolLM2-135M (held-out Wikipedia / news, 2 CPU cores, fp32): for gated MLPs on CPU the int8
+# predictor (the block's own gate/up weights in int8: near-oracle selection) at 60% MLP density,
+# +1.1% / +2.4% perplexity, decode at 1.00x dense Inductor with the backend's C++ ops. The low-rank
+# lookahead predictor is far from the oracle on this SwiGLU model: within the <= +3% budget it stays
+# barely sparse (0.98 -> one sparse layer, +1.9% / +2.4%, 0.98x). Off the CPU, and for plain MLPs
+# (OPT, GPT-2: no gate to quantize), the default stays the low-rank predictor: the int8 GEMV has no
+# GPU kernel yet (CUDA runs it as a dequantized matmul).
+DEFAULT_MLP_DENSITY = {"int8": 0.6, "lowrank": 0.98}
 DEFAULT_RANK_FRACTION = 0.25  # predictor rank r = fraction * d (per projection of the "glu" predictor)
 DEFAULT_MAX_TOKENS = 8192
 DEFAULT_SEQ_LEN = 256
@@ -68,7 +69,7 @@ def calibrate(
     model,
     tokenizer,
     texts=None,
-    mlp_density: float = DEFAULT_MLP_DENSITY,
+    mlp_density: float | None = None,
     attn_density: float = 1.0,
     lookahead: bool = True,
     rank: int | None = None,
@@ -76,7 +77,7 @@ def calibrate(
     seq_len: int = DEFAULT_SEQ_LEN,
     min_density: float = 0.125,
     max_ppl_increase: float | None = None,
-    predictor: str = "lowrank",
+    predictor: str = "auto",
     train_steps: int = 400,
     dense_when_unprofitable: bool = True,
     progress: bool = True,
@@ -91,12 +92,14 @@ def calibrate(
     with binary cross-entropy to flag each token's top neurons at the target density.
 
     texts: list of strings, a single string, or None for the bundled Wikipedia calibration split.
-    mlp_density / attn_density: target average fraction of MLP neurons / query heads kept.
+    mlp_density / attn_density: target average fraction of MLP neurons / query heads kept (mlp_density
+        None: the predictor's recommended point, DEFAULT_MLP_DENSITY: 0.6 for int8, 0.98 for lowrank).
     lookahead: predictors read the previous block's input (can run beside it).
     dense_when_unprofitable: keep a layer dense when its kept rows plus its predictor would read at
         least as many bytes as the dense block (the plan's density can then exceed the target).
-    predictor: "lowrank" (Deja Vu-style, rank `rank`, with lookahead) or "int8" (the block's own
-        gate/up weights in int8: near-oracle selection, reads the block's own input, no lookahead).
+    predictor: "lowrank" (Deja Vu-style, rank `rank`, with lookahead), "int8" (the block's own
+        gate/up weights in int8: near-oracle selection, reads the block's own input, no lookahead) or
+        "auto" (int8 when every MLP is gated and the model is on the CPU, else lowrank).
     train_steps: optimizer steps of each trained (plain-MLP) predictor; more steps, better recall.
     max_ppl_increase: instead of `mlp_density`, the lowest density (grid of 0.05) whose perplexity
         increase on held-back calibration text stays within this relative budget (e.g. 0.03).
@@ -108,10 +111,8 @@ def calibrate(
 
     from dejavu_compile.data import tokenize_chunks
 
-    if predictor not in ("lowrank", "int8"):
-        raise ValueError(f"predictor must be 'lowrank' or 'int8', got {predictor!r}")
-    if predictor == "int8":
-        lookahead = False  # it is the block's own projection: it needs the block's own input
+    if predictor not in ("auto", "lowrank", "int8"):
+        raise ValueError(f"predictor must be 'auto', 'lowrank' or 'int8', got {predictor!r}")
     torch.manual_seed(seed)
     t0 = time.time()
     if texts is None:
@@ -136,6 +137,13 @@ def calibrate(
     missing = [l for l in layers if l not in mlp_blocks]
     if missing:
         raise ValueError(f"layers {missing} have samples but no matched MLP block")
+    if predictor == "auto":
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        predictor = "int8" if on_cpu and all(mlp_blocks[l].gated for l in layers) else "lowrank"
+    if predictor == "int8":
+        lookahead = False  # it is the block's own projection: it needs the block's own input
+    if mlp_density is None:
+        mlp_density = DEFAULT_MLP_DENSITY[predictor]
     if predictor == "int8" and not all(mlp_blocks[l].gated for l in layers):
         raise ValueError("predictor='int8' scores gated MLPs (act(gate(x)) * up(x)) with their own weights; "
                          "this model's MLPs are plain (act(up(x))): use predictor='lowrank'")
@@ -268,14 +276,16 @@ def main_calibrate(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="dejavu-compile calibrate", description="Calibrate a Deja Vu sparsity plan.")
     ap.add_argument("--out", required=True, help="directory to write the plan to")
     ap.add_argument("--model", default="smollm2", help="'smollm2' (bundled GGUF) or a local HF model directory")
-    ap.add_argument("--density", type=float, default=DEFAULT_MLP_DENSITY, help="average MLP density to keep")
+    ap.add_argument("--density", type=float, default=None,
+                    help="average MLP density to keep (default: 0.6 with the int8 predictor, 0.98 with lowrank)")
     ap.add_argument("--attn-density", type=float, default=1.0, help="average attention head density")
     ap.add_argument("--max-ppl-increase", type=float, default=None, help="quality budget, e.g. 0.03 (overrides --density)")
     ap.add_argument("--texts", default=None, help="text file to calibrate on (default: bundled Wikipedia split)")
     ap.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     ap.add_argument("--rank", type=int, default=None)
-    ap.add_argument("--predictor", choices=("lowrank", "int8"), default="lowrank",
-                    help="lowrank: Deja Vu-style with lookahead; int8: the block's own gate/up in int8 (near-oracle)")
+    ap.add_argument("--predictor", choices=("auto", "lowrank", "int8"), default="auto",
+                    help="lowrank: Deja Vu-style with lookahead; int8: the block's own gate/up in int8 (near-oracle); "
+                         "auto: int8 for gated MLPs on CPU, else lowrank")
     ap.add_argument("--no-lookahead", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)

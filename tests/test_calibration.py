@@ -98,7 +98,7 @@ def test_dejavu_predictor_learns_planted_relu_sparsity(nonlinearity, loss):
 def test_calibrate_planted_model_hits_density_and_recall():
     model = tiny_llama()
     samples, _ = collect(model, batches(), progress=False)
-    plan = calibrate(model, None, samples=samples, mlp_density=0.5, attn_density=0.75, lookahead=False,
+    plan = calibrate(model, None, predictor="lowrank", samples=samples, mlp_density=0.5, attn_density=0.75, lookahead=False,
                      rank=PLANT, progress=False, min_density=0.25)
     assert abs(plan.mlp_density - 0.5) < 0.05
     assert plan.attn_density <= 0.75 + 1e-9
@@ -110,7 +110,7 @@ def test_calibrate_planted_model_hits_density_and_recall():
             idx = e.select(samples[l].mlp_input[:5])
             assert idx.shape == (5, e.k) and idx.dtype == torch.long
     # lookahead predictors exist and are flagged
-    plan_la = calibrate(model, None, samples=samples, mlp_density=0.5, lookahead=True, rank=PLANT, progress=False)
+    plan_la = calibrate(model, None, predictor="lowrank", samples=samples, mlp_density=0.5, lookahead=True, rank=PLANT, progress=False)
     assert all(plan_la.entry(l, "mlp").lookahead for l in range(L) if not plan_la.entry(l, "mlp").dense)
 
 
@@ -121,7 +121,7 @@ def test_calibrated_head_plan_decodes_through_the_backend():
 
     model = tiny_llama()
     samples, _ = collect(model, batches(), progress=False)
-    plan = calibrate(model, None, samples=samples, mlp_density=1.0, attn_density=0.5, rank=PLANT, progress=False,
+    plan = calibrate(model, None, predictor="lowrank", samples=samples, mlp_density=1.0, attn_density=0.5, rank=PLANT, progress=False,
                      min_density=0.25)
     heads = [plan.entry(l, "attention") for l in range(L)]
     assert [e.lookahead for e in heads] == [False, True]
@@ -202,9 +202,27 @@ def test_int8_predictor_selects_nearly_the_oracle_set():
             assert e.nonlinearity == "glu_int8" and e.A.dtype == torch.int8
             assert e.stats["recall"] > 0.9
             assert e.predictor_bytes() < 0.2 * 3 * FF * D * 4  # a sixth of the fp32 block (+ scales)
-    lowrank = calibrate(model, None, samples=samples, mlp_density=0.5, rank=4, progress=False, min_density=0.25)
+    lowrank = calibrate(model, None, predictor="lowrank", samples=samples, mlp_density=0.5, rank=4, progress=False, min_density=0.25)
     sparse = [l for l in range(L) if not lowrank.entry(l, "mlp").dense and not plan.entry(l, "mlp").dense]
     assert sparse and all(plan.entry(l, "mlp").stats["recall"] > lowrank.entry(l, "mlp").stats["recall"] for l in sparse)
+
+
+def test_default_predictor_is_int8_for_gated_mlps_on_cpu_else_lowrank():
+    """calibrate()'s defaults: the int8 predictor at DEFAULT_MLP_DENSITY["int8"] for a gated model on
+    the CPU; Deja Vu's low-rank one at DEFAULT_MLP_DENSITY["lowrank"] for plain MLPs (OPT)."""
+    from dejavu_compile.calibrate import DEFAULT_MLP_DENSITY
+
+    gated = tiny_llama(planted=False)
+    plan = calibrate(gated, None, samples=collect(gated, batches(), progress=False)[0], progress=False,
+                     dense_when_unprofitable=False)
+    assert plan.settings["predictor"] == "int8" and not plan.settings["lookahead"]
+    assert plan.settings["target_mlp_density"] == DEFAULT_MLP_DENSITY["int8"]
+    assert abs(plan.mlp_density - DEFAULT_MLP_DENSITY["int8"]) < 0.05
+    plain = tiny_opt()
+    plan = calibrate(plain, None, samples=collect(plain, batches(), progress=False)[0], progress=False,
+                     train_steps=5)
+    assert plan.settings["predictor"] == "lowrank" and plan.settings["method"] == "dejavu-lowrank"
+    assert plan.settings["target_mlp_density"] == DEFAULT_MLP_DENSITY["lowrank"]
 
 
 def test_unknown_predictor_is_a_clear_error():
@@ -248,7 +266,7 @@ def test_unprofitable_layers_stay_dense():
     unless asked to hit the target exactly."""
     model = tiny_llama()
     samples, _ = collect(model, batches(3, 48), progress=False)
-    kwargs = dict(samples=samples, mlp_density=0.8, rank=32, lookahead=False, progress=False)
+    kwargs = dict(samples=samples, predictor="lowrank", mlp_density=0.8, rank=32, lookahead=False, progress=False)
     plan = calibrate(model, None, **kwargs)  # predictor ~42% of the block: 0.8 + 0.42 > 1
     assert plan.settings["predictor_cost"] > 0.3
     assert all(plan.entry(l, "mlp").dense for l in range(L)) and plan.mlp_density == 1.0
@@ -275,7 +293,7 @@ def test_calibrate_plain_relu_mlp_learns_planted_sparsity():
     """Plain MLPs (OPT, GPT-2) calibrate too: Deja Vu's trained low-rank predictor, high recall."""
     model = tiny_opt()
     samples, _ = collect(model, batches(12), progress=False)
-    plan = calibrate(model, None, samples=samples, mlp_density=0.25, lookahead=False, rank=2 * PLANT,
+    plan = calibrate(model, None, predictor="lowrank", samples=samples, mlp_density=0.25, lookahead=False, rank=2 * PLANT,
                      train_steps=1000, progress=False, min_density=0.125, dense_when_unprofitable=False)
     assert plan.settings["method"] == "dejavu-lowrank"
     assert abs(plan.mlp_density - 0.25) < 0.05
@@ -285,7 +303,7 @@ def test_calibrate_plain_relu_mlp_learns_planted_sparsity():
         assert e.stats["recall"] > 0.9, e.stats
     # a rank-2 predictor of an unplanted model does much worse: the recall is earned
     unplanted = tiny_opt(planted=False)
-    plain = calibrate(unplanted, None, samples=collect(unplanted, batches(12), progress=False)[0], mlp_density=0.25,
+    plain = calibrate(unplanted, None, predictor="lowrank", samples=collect(unplanted, batches(12), progress=False)[0], mlp_density=0.25,
                       lookahead=False, rank=2, train_steps=1000, progress=False, dense_when_unprofitable=False)
     assert min(plan.entry(l, "mlp").stats["recall"] for l in range(L)) > max(
         plain.entry(l, "mlp").stats["recall"] for l in range(L)) + 0.1

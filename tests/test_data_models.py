@@ -70,7 +70,7 @@ def test_smollm2_calibration_end_to_end(tmp_path):
     dense = perplexity(model, ev)
     assert 1.0 < dense < 200.0  # a working language model on English prose
     # the target exactly (the cost-aware default may keep some layers dense and end denser)
-    plan = calibrate(model, tok, mlp_density=0.75, max_tokens=1024, progress=False, dense_when_unprofitable=False)
+    plan = calibrate(model, tok, predictor="lowrank", mlp_density=0.75, max_tokens=1024, progress=False, dense_when_unprofitable=False)
     assert abs(plan.mlp_density - 0.75) < 0.02
     learned = perplexity(model, ev, plan_selector(plan))
     rand = perplexity(model, ev, random_selector(0.75))

@@ -19,7 +19,7 @@ def model_and_plan():
 
     model = tiny_llama()
     samples, _ = collect(model, batches(3, 48), progress=False)
-    plan = calibrate(model, None, samples=samples, mlp_density=0.5, attn_density=0.75, rank=PLANT, progress=False)
+    plan = calibrate(model, None, predictor="lowrank", samples=samples, mlp_density=0.5, attn_density=0.75, rank=PLANT, progress=False)
     return model, plan
 
 

@@ -263,7 +263,7 @@ def _insert_selection(gm, graph, block, entry, ordered, values, opts=None):
             scores = _emit_predictor(gm, graph, entry, flat_source, prefix, dtype, device)
             top = graph.call_function(torch.topk, (scores, entry.k), {"dim": -1, "sorted": False})
             idx = graph.call_function(operator.getitem, (top, 1))
-    for node in {scores: None, idx: None}:
+    for node in dict.fromkeys((scores, idx)):  # one node when the op fuses both: it is the predictor
         node.meta["dejavu"] = {"role": "predictor" if node is scores else "topk", "layer": block.layer,
                                "kind": block.kind, "reads": source.name, "lookahead": source is not x}
     return idx, source
