@@ -6,7 +6,8 @@
 
 CPU: fp32, dense = the torch ops a decoder runs (MLP: three F.linear; attention: q F.linear,
 RoPE, SDPA over the cache, o F.linear), sparse = the dejavu ops; the sparse MLP op runs through
-each CPU path: "native" (the C kernel fp32 calls take, rows ``gated_mlp``) and "torch" (the
+each CPU path: "native" (the C kernel fp32 calls take, rows ``gated_mlp``), "c++" (the same kernel
+through the C++-registered op decode graphs call, rows ``gated_mlp/c++``) and "torch" (the
 Inductor-fused gather-GEMV + embedding_bag, rows ``gated_mlp/torch``). CUDA (auto-detected): fp16, dense
 on cuBLAS, sparse = the Triton kernels (autotuned), both timed as CUDA-graph replays (kernel time,
 no launch overhead). Efficiency 1.0 means the sparse op reaches the bandwidth limit (time scales
@@ -122,7 +123,7 @@ def summarize(op, k, total, td, ts):
                 efficiency_of_min=min(td) / min(ts) * k / total)
 
 
-def bench_mlp(shape, dtype, device, reps, densities, timer, label="gated_mlp"):
+def bench_mlp(shape, dtype, device, reps, densities, timer, label="gated_mlp", op=sparse_gated_mlp):
     d, ff = shape["d"], shape["ff"]
     gen = torch.Generator(device="cpu").manual_seed(0)
     layer_bytes = 3 * d * ff * torch.finfo(dtype).bits // 8
@@ -146,10 +147,10 @@ def bench_mlp(shape, dtype, device, reps, densities, timer, label="gated_mlp"):
         def sparse(i):
             calls[0] += 1
             p = layers[i]
-            return sparse_gated_mlp(x, p["w_gate"], p["w_up"], p["w_down_t"], pool[calls[0] % POOL], "silu")
+            return op(x, p["w_gate"], p["w_up"], p["w_down_t"], pool[calls[0] % POOL], "silu")
 
         row = summarize(label, k, ff, *interleaved(timer, dense, sparse, reps, len(layers)))
-        row["rel_err"] = mlp_error(x, layers[0], pool[0], sparse_gated_mlp)
+        row["rel_err"] = mlp_error(x, layers[0], pool[0], op)
         row.update(dense_GBps=layer_bytes / row["dense_ms"] / 1e6,
                    sparse_GBps=layer_bytes * k / ff / row["sparse_ms"] / 1e6)
         rows.append(row)
@@ -157,17 +158,21 @@ def bench_mlp(shape, dtype, device, reps, densities, timer, label="gated_mlp"):
 
 
 def bench_cpu_paths(shape, dtype, device, reps, densities, timer, paths):
-    """The CPU sparse MLP through each path: "native" (the C kernel, what fp32 calls take) and
-    "torch" (the Inductor-fused gather-GEMV + embedding_bag it replaced, still the path of other
-    dtypes and machines without a C compiler)."""
+    """The CPU sparse MLP through each path: "native" (the public op, C kernel: what fp32 calls
+    take), "c++" (the same kernel through the C++-registered op the backend's decode graphs call,
+    without the Python custom-op call) and "torch" (the Inductor-fused gather-GEMV + embedding_bag,
+    still the path of other dtypes and machines without a C compiler)."""
     rows = []
     for path in paths:
-        if path == "native" and not native.available():
-            print(f"# C kernel unavailable ({native._STATE['error']}): skipping the native rows")
+        if path in ("native", "c++") and not (native.load_ops() if path == "c++" else native.available()):
+            print(f"# {path} kernel unavailable ({native._OPS['error'] or native._STATE['error']}): skipping")
             continue
-        with mock.patch.dict(native._STATE, enabled=path == "native"):
-            label = "gated_mlp" if path == "native" else "gated_mlp/torch"
-            rows += bench_mlp(shape, dtype, device, reps, densities, timer, label)
+        op = sparse_gated_mlp
+        if path == "c++":
+            op = lambda x, wg, wu, wdt, idx, act: torch.ops.dejavu.cpu_sparse_mlp(x, wg, wu, wdt, idx, act)
+        with mock.patch.dict(native._STATE, enabled=path != "torch"):
+            label = {"native": "gated_mlp", "c++": "gated_mlp/c++", "torch": "gated_mlp/torch"}[path]
+            rows += bench_mlp(shape, dtype, device, reps, densities, timer, label, op)
     return rows
 
 
@@ -289,12 +294,13 @@ def plot(paths, out):
         m = result["machine"]
         where = m.get("gpu") or f"CPU {m['threads']} thread{'s' if m['threads'] > 1 else ''}"
         for name, shape in result["shapes"].items():
-            for op in ("gated_mlp", "gated_mlp/torch"):
+            for op in ("gated_mlp", "gated_mlp/c++", "gated_mlp/torch"):
                 rows = [r for r in shape["rows"] if r["op"] == op]
                 if rows:
-                    path_name = " (Inductor-fused torch path)" if op.endswith("torch") else ""
+                    path_name = {"gated_mlp": "", "gated_mlp/c++": " (C++ op)",
+                                 "gated_mlp/torch": " (Inductor-fused torch path)"}[op]
                     ax.plot([r["density"] for r in rows], [r["efficiency"] for r in rows],
-                            "o--" if path_name else "o-",
+                            {"": "o-", " (C++ op)": "s:", " (Inductor-fused torch path)": "o--"}[path_name],
                             label=f"{name}, {where}, {m['dtype'].replace('torch.', '')}{path_name}")
     ax.axhline(1.0, color="grey", lw=0.5)
     ax.set_xlabel("MLP density (fraction of neurons kept)")
@@ -313,8 +319,9 @@ def main(argv=None):
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--ops", nargs="+", default=["mlp", "attention", "bounds"], choices=["mlp", "attention", "bounds"])
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
-    ap.add_argument("--cpu-paths", nargs="+", default=["native", "torch"], choices=["native", "torch"],
-                    help="CPU sparse MLP paths to measure (native: the C kernel; torch: Inductor-fused)")
+    ap.add_argument("--cpu-paths", nargs="+", default=["native", "c++", "torch"], choices=["native", "c++", "torch"],
+                    help="CPU sparse MLP paths to measure (native: the public op, C kernel; c++: the same kernel "
+                         "through the backend's C++ op; torch: Inductor-fused)")
     ap.add_argument("--prefetch-sweep", action="store_true", help="also sweep the C kernel's prefetch settings")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<device>-t<threads>.json)")
     ap.add_argument("--plot", nargs="+", metavar="JSON", help="only plot these results files (to --out, a .png)")
