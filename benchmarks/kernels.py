@@ -348,7 +348,7 @@ def main(argv=None):
                    torch=torch.__version__, dtype=str(dtype), reps=reps,
                    thp_mem_alloc=os.environ.get("THP_MEM_ALLOC_ENABLE"), cpu_fused_gather=_FUSED["enabled"],
                    cpu_c_kernel=device.type == "cpu" and native.available(),
-                   c_kernel_prefetch=(native.PREFETCH_ROWS, native.PREFETCH_BYTES))
+                   c_kernel_prefetch=native.prefetch_default() if device.type == "cpu" and native.available() else None)
     print(f"# {machine}")
     result = dict(machine=machine, shapes={})
     torch.set_grad_enabled(False)

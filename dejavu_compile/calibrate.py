@@ -137,14 +137,15 @@ def calibrate(
     missing = [l for l in layers if l not in mlp_blocks]
     if missing:
         raise ValueError(f"layers {missing} have samples but no matched MLP block")
+    all_gated = all(mlp_blocks[l].gated for l in layers)
     if predictor == "auto":
         on_cpu = next(model.parameters()).device.type == "cpu"
-        predictor = "int8" if on_cpu and all(mlp_blocks[l].gated for l in layers) else "lowrank"
+        predictor = "int8" if on_cpu and all_gated else "lowrank"
     if predictor == "int8":
         lookahead = False  # it is the block's own projection: it needs the block's own input
     if mlp_density is None:
         mlp_density = DEFAULT_MLP_DENSITY[predictor]
-    if predictor == "int8" and not all(mlp_blocks[l].gated for l in layers):
+    if predictor == "int8" and not all_gated:
         raise ValueError("predictor='int8' scores gated MLPs (act(gate(x)) * up(x)) with their own weights; "
                          "this model's MLPs are plain (act(up(x))): use predictor='lowrank'")
     d, H = cfg.hidden_size, cfg.num_attention_heads

@@ -91,7 +91,7 @@ at::Tensor cpu_sparse_mlp(const at::Tensor& x_in, const at::Tensor& w_a, const s
   dejavu_sparse_mlp_f32(x.data_ptr<float>(), nb, d, d_out, w_a.data_ptr<float>(), w_a.stride(0),
                         w_b.has_value() ? w_b->data_ptr<float>() : nullptr, w_b.has_value() ? w_b->stride(0) : 0,
                         w_down_t.data_ptr<float>(), w_down_t.stride(0), pa, pb, pd, ids, k, row_stride, act,
-                        out.data_ptr<float>(), scratch.data_ptr<float>(), threads, 4, 256);
+                        out.data_ptr<float>(), scratch.data_ptr<float>(), threads, -1, -1);  // the default prefetch
   return out;
 }
 

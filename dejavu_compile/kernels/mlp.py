@@ -9,9 +9,9 @@ idx), reading only those rows of the weights:
 ``w_down_t`` is the down projection's weight transposed, stored contiguous (F, d), so a neuron's
 down column is one contiguous row (see ``prepare.py``).
 
-CPU path, fp32: a C kernel (``cpu_sparse_mlp.c``, built on first use by ``native.py``) makes one
-pass over the selected neurons, reading each one's gate, up and down rows back to back (1.2-1.9x
-as fast as the torch path below on SmolLM2 shapes, 0.99-1.14x on LLaMA-7B's; benchmarks/kernels.py).
+CPU path, fp32: a C kernel (``cpu_sparse_mlp.c``, built on first use by ``native.py``, whose
+docstring gives its measured efficiency) makes one pass over the selected neurons, reading each
+one's gate, up and down rows back to back.
 
 CPU path, other dtypes (or no C compiler, or ``DEJAVU_CPU_NATIVE=0``): torch. The gate/up
 gather-GEMV of a large call (``FUSED_MIN_ELEMENTS``) is one loop that Inductor generates from

@@ -47,11 +47,10 @@ OPS_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 # (LLaMA-7B rows at 25-50% density: efficiency 0.81-0.82 against 0.86-0.88).
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11")
 ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
-# Prefetch the first PREFETCH_BYTES of each row PREFETCH_ROWS neurons ahead (benchmarks/kernels.py
-# --prefetch-sweep, LLaMA-7B rows at 25% density: efficiency 0.74 without, 0.77-0.81 with 64-1024 B
-# 2-8 neurons ahead, 0.71 prefetching whole rows; at 50% and on SmolLM2 within the noise, +-0.04).
-PREFETCH_ROWS = 4
-PREFETCH_BYTES = 256
+# None: the kernel's own default prefetch (dejavu_prefetch_default in cpu_sparse_mlp.c, which the
+# C++ op uses too); benchmarks/kernels.py --prefetch-sweep sets other (rows ahead, bytes per row).
+PREFETCH_ROWS = None
+PREFETCH_BYTES = None
 
 _STATE: dict = {"lib": None, "error": None, "enabled": os.environ.get("DEJAVU_CPU_NATIVE", "1") != "0"}
 _OPS: dict = {"loaded": False, "error": None}
@@ -163,8 +162,14 @@ def sparse_mlp_f32(x: Tensor, w_a: Tensor, w_b: Optional[Tensor], w_down_t: Tens
     fn(x.data_ptr(), nb, d, d_out, w_a.data_ptr(), w_a.stride(0), ptr(w_b), 0 if w_b is None else w_b.stride(0),
        w_down_t.data_ptr(), w_down_t.stride(0), ptr(b_a), ptr(b_b), ptr(b_down),
        idx.data_ptr(), idx.shape[-1], 0 if idx.dim() == 1 else idx.stride(0), ACTIVATION_CODES[activation],
-       out.data_ptr(), scratch.data_ptr(), threads, PREFETCH_ROWS, PREFETCH_BYTES)
+       out.data_ptr(), scratch.data_ptr(), threads, -1 if PREFETCH_ROWS is None else PREFETCH_ROWS,
+       -1 if PREFETCH_BYTES is None else PREFETCH_BYTES)
     return out
+
+
+def prefetch_default() -> tuple[int, int]:
+    """The kernel's default prefetch (rows ahead, bytes per row), as compiled."""
+    return tuple((ctypes.c_int64 * 2).in_dll(_load(), "dejavu_prefetch_default"))
 
 
 def int8_linear_f32(x: Tensor, w_int8: Tensor, scale: Tensor) -> Tensor:

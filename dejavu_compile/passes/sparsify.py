@@ -315,20 +315,21 @@ def _dtype_of(values, block: MLPBlock):
     return weight.dtype if weight is not None else torch.float32
 
 
-def _cpu_lowering(opts, weight) -> str | None:
+def _cpu_lowering(opts, weight, rows_contiguous: bool = True) -> str | None:
     """How a CPU sparse MLP is lowered: "native" (the C++ ops of kernels/cpu_ops.cpp, called straight
     from Inductor's wrapper), "decomposed" (aten gathers that Inductor fuses) or "op" (the public
     custom op); None off the CPU (the custom op, Triton on CUDA).
 
     "auto" takes "native" for fp32 weights when the C++ ops build, else "decomposed" under Inductor
-    and "op" under eager. Measured inside SmolLM2 decode steps, a custom op with a Python kernel
+    and "op" under eager; so does a block whose weight rows are not contiguous (GPT-2's Conv1D
+    (in, out) weights), which the C kernel cannot read. Measured inside SmolLM2 decode steps, a custom op with a Python kernel
     costs ~140 us a call and torch.topk ~55 us with the caches a step leaves, which is what made
     the op and the decomposed form lose to dense there (benchmarks/README.md)."""
     if weight is not None and weight.device.type != "cpu":
         return None
     choice = opts.get("cpu_lowering", "auto")
     fp32 = weight is None or weight.dtype == torch.float32
-    if choice in ("auto", "native") and fp32 and native.load_ops():
+    if choice in ("auto", "native") and fp32 and rows_contiguous and native.load_ops():
         return "native"
     if choice == "auto":
         return "decomposed" if opts["inner"] == "inductor" else "op"
@@ -428,15 +429,13 @@ def _rewrite_mlp(gm, graph, block: MLPBlock, entry, ordered, values, report, opt
         b_up = _bias_view(graph, block.up)
         w_gate = _rows_view(graph, block.gate, values.get(block.gate.node)) if block.gated else None
         b_gate = _bias_view(graph, block.gate) if block.gated else None
-        lowering = _cpu_lowering(opts, values.get(block.up.node))
-        if lowering == "native" and not all(_unit_stride_rows(ref, values.get(ref.node))
-                                            for ref in ((block.gate, block.up) if block.gated else (block.up,))):
-            lowering = "decomposed" if opts["inner"] == "inductor" else "op"  # GPT-2's Conv1D: (in, out) weights
-        if lowering == "native":
+        refs = (block.gate, block.up) if block.gated else (block.up,)
+        lowering = _cpu_lowering(opts, values.get(block.up.node),
+                                 all(_unit_stride_rows(ref, values.get(ref.node)) for ref in refs))
+        if lowering == "native":  # the C kernel's (w_a, w_b): (gate, up), or (up, None) for a plain MLP
+            w_a, b_a, w_b, b_b = (w_gate, b_gate, w_up, b_up) if block.gated else (w_up, b_up, None, None)
             out = graph.call_function(torch.ops.dejavu.cpu_sparse_mlp.default,
-                                      (x2d, w_gate if block.gated else w_up, w_up if block.gated else None, w_down_t,
-                                       idx, block.activation, b_gate if block.gated else b_up,
-                                       b_up if block.gated else None, b_down))
+                                      (x2d, w_a, w_b, w_down_t, idx, block.activation, b_a, b_b, b_down))
         elif lowering == "decomposed":
             out = _emit_decomposed(graph, block, x2d, idx, entry.k, w_gate, b_gate, w_up, b_up, w_down_t, b_down)
         elif block.gated:
