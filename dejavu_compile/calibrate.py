@@ -2,6 +2,7 @@
 
     plan = calibrate(model, tokenizer)                 # bundled Wikipedia calibration split
     plan = calibrate(model, tokenizer, texts=[...], mlp_density=0.6)
+    plan = calibrate(model, tokenizer, values="exact")   # kept neurons computed from the fp32 weights
     plan = calibrate(model, tokenizer, max_ppl_increase=0.03)   # quality budget instead of density
 
 CLI: `dejavu-compile calibrate --out DIR [--density D] ...` (see `main_calibrate`).
@@ -22,13 +23,15 @@ from dejavu_compile.collect import collect
 
 # Recommended operating point, measured with benchmarks/quality.py and benchmarks/decode.py on
 # SmolLM2-135M (held-out Wikipedia / news, 2 CPU cores, fp32): for gated MLPs on CPU the int8
-# predictor (the block's own gate/up weights in int8: near-oracle selection) at 60% MLP density,
-# +1.1% / +2.4% perplexity, decode at 1.00x dense Inductor with the backend's C++ ops. The low-rank
-# lookahead predictor is far from the oracle on this SwiGLU model: within the <= +3% budget it stays
-# barely sparse (0.98 -> one sparse layer, +1.9% / +2.4%, 0.98x). Off the CPU, and for plain MLPs
-# (OPT, GPT-2: no gate to quantize), the default stays the low-rank predictor: the int8 GEMV has no
-# GPU kernel yet (CUDA runs it as a dequantized matmul).
-DEFAULT_MLP_DENSITY = {"int8": 0.6, "lowrank": 0.98}
+# predictor (the block's own gate/up weights in int8: near-oracle selection) with the kept neurons'
+# values taken from it (only their down rows are read) at 70% MLP density: +0.6% / +0.8% perplexity,
+# decode at ~1.3x dense Inductor with the backend's C++ ops (60%: about as fast, +1.1% / +2.3%).
+# With exact values the same selection reads the kept gate/up rows too and only matches dense speed.
+# The low-rank lookahead predictor is far from the oracle on this SwiGLU model: within the <= +3%
+# budget it stays barely sparse (0.98 -> one sparse layer, +1.9% / +2.4%, 0.98x). Off the CPU, and
+# for plain MLPs (OPT, GPT-2: no gate to quantize), the default stays the low-rank predictor: the
+# int8 GEMV has no GPU kernel yet (CUDA runs it as a dequantized matmul).
+DEFAULT_MLP_DENSITY = {"int8": 0.7, "lowrank": 0.98}
 DEFAULT_RANK_FRACTION = 0.25  # predictor rank r = fraction * d (per projection of the "glu" predictor)
 DEFAULT_MAX_TOKENS = 8192
 DEFAULT_SEQ_LEN = 256
@@ -78,6 +81,7 @@ def calibrate(
     min_density: float = 0.125,
     max_ppl_increase: float | None = None,
     predictor: str = "auto",
+    values: str = "auto",
     train_steps: int = 400,
     dense_when_unprofitable: bool = True,
     progress: bool = True,
@@ -93,13 +97,17 @@ def calibrate(
 
     texts: list of strings, a single string, or None for the bundled Wikipedia calibration split.
     mlp_density / attn_density: target average fraction of MLP neurons / query heads kept (mlp_density
-        None: the predictor's recommended point, DEFAULT_MLP_DENSITY: 0.6 for int8, 0.98 for lowrank).
+        None: the predictor's recommended point, DEFAULT_MLP_DENSITY: 0.7 for int8, 0.98 for lowrank).
     lookahead: predictors read the previous block's input (can run beside it).
     dense_when_unprofitable: keep a layer dense when its kept rows plus its predictor would read at
         least as many bytes as the dense block (the plan's density can then exceed the target).
     predictor: "lowrank" (Deja Vu-style, rank `rank`, with lookahead), "int8" (the block's own
         gate/up weights in int8: near-oracle selection, reads the block's own input, no lookahead) or
         "auto" (int8 when every MLP is gated and the model is on the CPU, else lowrank).
+    values: where the kept neurons' act(gate) * up come from: "exact" (the block's own fp32 weights),
+        "predictor" (the int8 predictor's own values, which it computes for every neuron anyway: the
+        sparse block then reads only the kept rows of its down projection; int8 only) or "auto"
+        ("predictor" with the int8 predictor, else "exact").
     train_steps: optimizer steps of each trained (plain-MLP) predictor; more steps, better recall.
     max_ppl_increase: instead of `mlp_density`, the lowest density (grid of 0.05) whose perplexity
         increase on held-back calibration text stays within this relative budget (e.g. 0.03).
@@ -141,6 +149,13 @@ def calibrate(
     if predictor == "auto":
         on_cpu = next(model.parameters()).device.type == "cpu"
         predictor = "int8" if on_cpu and all_gated else "lowrank"
+    if values == "auto":
+        values = "predictor" if predictor == "int8" else "exact"
+    if values not in ("exact", "predictor"):
+        raise ValueError(f"values must be 'auto', 'exact' or 'predictor', got {values!r}")
+    if values == "predictor" and predictor != "int8":
+        raise ValueError("values='predictor' takes the kept neurons' values from the int8 predictor: "
+                         "use predictor='int8' (or values='exact')")
     if predictor == "int8":
         lookahead = False  # it is the block's own projection: it needs the block's own input
     if mlp_density is None:
@@ -201,11 +216,12 @@ def calibrate(
     pred_bytes = predictor_read_bytes(preds[(layers[0], "mlp")].values(), predictor == "int8", element_size)
     gated = mlp_blocks[layers[0]].gated
     predictor_cost = pred_bytes / ((3 if gated else 2) * d * F_ * element_size)
+    row_share = 1 / 3 if values == "predictor" else 1.0  # of the block's bytes a kept neuron reads
 
     def build(density: float) -> SparsityPlan:
         kmlp = budget.allocate(curves["mlp"], {l: F_ for l in layers}, density)
         if dense_when_unprofitable:  # a layer whose rows plus predictor outweigh the dense block
-            kmlp = {l: (F_ if k / F_ + predictor_cost >= 1.0 else k) for l, k in kmlp.items()}
+            kmlp = {l: (F_ if row_share * k / F_ + predictor_cost >= 1.0 else k) for l, k in kmlp.items()}
         katt = (budget.allocate(curves["attention"], {l: H for l in layers}, attn_density)
                 if attn_density < 1.0 else {l: H for l in layers})
         entries = {}
@@ -225,7 +241,8 @@ def calibrate(
             else:
                 entries[(l, "mlp")] = PlanEntry(l, "mlp", k, F_, t["A"], t.get("B"), t["a"], None,
                                                 "glu_int8" if predictor == "int8" else "glu",
-                                                str(getattr(cfg, "hidden_act", "silu")), lookahead, stats=stats)
+                                                str(getattr(cfg, "hidden_act", "silu")), lookahead, stats=stats,
+                                                values=values)
             ka = katt[l]
             if ka >= H:
                 entries[(l, "attention")] = PlanEntry(l, "attention", H, H, nonlinearity="dense")
@@ -238,7 +255,7 @@ def calibrate(
                                                       "none", lookahead=lookahead and l > 0, stats=head_stats)
         settings = {
             "method": ("dejavu-glu-int8" if predictor == "int8" else "dejavu-glu-lowrank") if gated else "dejavu-lowrank",
-            "predictor": predictor,
+            "predictor": predictor, "values": values,
             "target_mlp_density": density, "attn_density": attn_density,
             "lookahead": lookahead, "rank": r, "max_tokens": max_tokens, "seq_len": seq_len,
             "tokens_collected": n, "min_density": min_density, "seed": seed,
@@ -278,7 +295,7 @@ def main_calibrate(argv=None) -> int:
     ap.add_argument("--out", required=True, help="directory to write the plan to")
     ap.add_argument("--model", default="smollm2", help="'smollm2' (bundled GGUF) or a local HF model directory")
     ap.add_argument("--density", type=float, default=None,
-                    help="average MLP density to keep (default: 0.6 with the int8 predictor, 0.98 with lowrank)")
+                    help="average MLP density to keep (default: 0.7 with the int8 predictor, 0.98 with lowrank)")
     ap.add_argument("--attn-density", type=float, default=1.0, help="average attention head density")
     ap.add_argument("--max-ppl-increase", type=float, default=None, help="quality budget, e.g. 0.03 (overrides --density)")
     ap.add_argument("--texts", default=None, help="text file to calibrate on (default: bundled Wikipedia split)")
@@ -287,6 +304,9 @@ def main_calibrate(argv=None) -> int:
     ap.add_argument("--predictor", choices=("auto", "lowrank", "int8"), default="auto",
                     help="lowrank: Deja Vu-style with lookahead; int8: the block's own gate/up in int8 (near-oracle); "
                          "auto: int8 for gated MLPs on CPU, else lowrank")
+    ap.add_argument("--values", choices=("auto", "exact", "predictor"), default="auto",
+                    help="kept neurons' act(gate)*up: exact (fp32 weights) or from the int8 predictor (reads only "
+                         "their down rows); auto: predictor with the int8 predictor")
     ap.add_argument("--no-lookahead", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
@@ -307,7 +327,8 @@ def main_calibrate(argv=None) -> int:
 
         texts = read_text_file(args.texts)
     plan = calibrate(model, tok, texts, mlp_density=args.density, attn_density=args.attn_density,
-                     lookahead=not args.no_lookahead, rank=args.rank, predictor=args.predictor, max_tokens=args.max_tokens,
+                     lookahead=not args.no_lookahead, rank=args.rank, predictor=args.predictor, values=args.values,
+                     max_tokens=args.max_tokens,
                      max_ppl_increase=args.max_ppl_increase)
     plan.save(args.out)
     print(plan.summary())

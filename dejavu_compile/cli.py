@@ -15,7 +15,7 @@ def _default_plan_dir():
     from dejavu_compile.models import cache_dir
 
     # Versioned: a plan cached by an older default calibration is not silently reused.
-    return cache_dir() / "plans" / "smollm2-default-v3"
+    return cache_dir() / "plans" / "smollm2-default-v4"
 
 
 def load_or_calibrate(model, tokenizer, plan_dir, recalibrate: bool = False, **calibrate_kwargs):
@@ -104,8 +104,9 @@ def demo(argv=None) -> int:
 
 
 def bandwidth_bound(model, plan) -> float:
-    """Dense weight bytes per decode step over the bytes the plan reads (kept MLP rows, kept heads'
-    query and output rows, all other weights, and the predictors): the speedup a purely
+    """Dense weight bytes per decode step over the bytes the plan reads (kept MLP rows, only their
+    down rows when the plan takes their values from the int8 predictor, kept heads' query and output
+    rows, all other weights, and the predictors): the speedup a purely
     bandwidth-bound decoder could reach. (KV-cache reads are left out: small at the short contexts
     benchmarked here.) Attention blocks and query projections count as sparse exactly where the
     backend lowers them so (``sparsify_attention.dense_reason`` / ``dense_query_reason``)."""
@@ -125,7 +126,11 @@ def bandwidth_bound(model, plan) -> float:
         entry = plan.entries.get((block.layer, block.kind))
         if entry is None or entry.dense:
             continue
-        if block.kind == "mlp":
+        if block.kind == "mlp" and entry.values == "predictor" and block.gated:
+            # kept neurons' values from the int8 predictor: gate and up not read, down rows kept
+            saved += sum(nbytes(params[ref.name]) for ref in (block.gate, block.up) if ref.name in params)
+            sparse_refs = [block.down]
+        elif block.kind == "mlp":
             sparse_refs = block.weights.values()
         elif dense_reason(block) is not None:
             continue

@@ -218,11 +218,22 @@ def test_default_predictor_is_int8_for_gated_mlps_on_cpu_else_lowrank():
     assert plan.settings["predictor"] == "int8" and not plan.settings["lookahead"]
     assert plan.settings["target_mlp_density"] == DEFAULT_MLP_DENSITY["int8"]
     assert abs(plan.mlp_density - DEFAULT_MLP_DENSITY["int8"]) < 0.05
+    sparse = [e for e in plan.entries.values() if e.kind == "mlp" and not e.dense]
+    assert sparse and all(e.values == "predictor" for e in sparse)  # values from the int8 predictor
     plain = tiny_opt()
     plan = calibrate(plain, None, samples=collect(plain, batches(), progress=False)[0], progress=False,
                      train_steps=5)
     assert plan.settings["predictor"] == "lowrank" and plan.settings["method"] == "dejavu-lowrank"
     assert plan.settings["target_mlp_density"] == DEFAULT_MLP_DENSITY["lowrank"]
+    assert plan.settings["values"] == "exact" and all(e.values == "exact" for e in plan.entries.values())
+
+
+def test_values_from_the_predictor_need_the_int8_predictor():
+    model = tiny_llama(planted=False)
+    with pytest.raises(ValueError, match="predictor='int8'"):
+        calibrate(model, None, samples={}, predictor="lowrank", values="predictor", progress=False)
+    with pytest.raises(ValueError, match="values must be"):
+        calibrate(model, None, samples={}, values="int4", progress=False)
 
 
 def test_unknown_predictor_is_a_clear_error():

@@ -1,5 +1,6 @@
 """The backend's C++ CPU decode ops (kernels/cpu_ops.cpp): dejavu::cpu_sparse_mlp against a float64
-dense masked reference, dejavu::cpu_glu_int8_topk against float64 scores of the dequantized weights."""
+dense masked reference, dejavu::cpu_glu_int8_topk and dejavu::cpu_glu_int8_mlp against float64
+values of the dequantized weights."""
 from __future__ import annotations
 
 import warnings
@@ -84,6 +85,55 @@ def test_cpu_glu_int8_topk_keeps_the_top_scores(seed, batch, d, n, share, activa
     assert bool((highest_left <= lowest_kept + tol).all()), (highest_left - lowest_kept).max()
 
 
+def int8_values64(x, w_int8, scale, activation):
+    """act(g) * u in float64 from the dequantized int8 weights and the exact x (signed)."""
+    h = x.double() @ (w_int8.double() * scale.double()[:, None]).T
+    n = w_int8.shape[0] // 2
+    return act64(h[:, :n], activation) * h[:, n:]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), batch=st.integers(1, 8), d=st.integers(1, 200), n=st.integers(1, 150),
+       d_out=st.integers(1, 90), share=st.floats(0.0, 1.0), activation=st.sampled_from(ACTIVATIONS),
+       bias=st.booleans(), threads=st.sampled_from([1, 2, 3]))
+def test_cpu_glu_int8_mlp_sums_the_predictors_values(seed, batch, d, n, d_out, share, activation, bias, threads):
+    """The block from the int8 predictor's own values: it keeps what cpu_glu_int8_topk keeps (the
+    same scores), and its output is sum over kept j of act(g~_j) * u~_j * w_down_t[j] (+ b_down),
+    against float64 on the op's ids; k from 1 to F, down widths unlike d, 1-3 threads."""
+    x, w_int8, scale = int8_problem(seed, batch, d, n)
+    g = torch.Generator().manual_seed(seed + 1)
+    w_down_t = torch.randn(n, d_out, generator=g)
+    b_down = torch.randn(d_out, generator=g) if bias else None
+    k = max(1, round(share * n))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, idx = torch.ops.dejavu.cpu_glu_int8_mlp(x, w_int8, scale, w_down_t, k, activation, b_down)
+        assert torch.equal(idx, torch.ops.dejavu.cpu_glu_int8_topk(x, w_int8, scale, k, activation))
+    finally:
+        torch.set_num_threads(before)
+    values = int8_values64(x, w_int8, scale, activation)
+    kept_ids = torch.zeros_like(values, dtype=torch.bool).scatter_(1, idx, True)
+    kept = values * kept_ids
+    w = w_down_t.double()
+    ref = kept @ w + (0 if b_down is None else b_down.double())
+    # x goes to int16 inside the op (rounding <= half a step of max|x| / (2^bits - 1), bits as the
+    # kernel picks them), which moves each g and u by at most that times the row's L1 norm; act has
+    # slope <= 1.13, so act(g) * u moves by at most dh (products of errors included). On top, float32
+    # rounding of the sums.
+    bits = min(15, 24 - max(0, (d - 1).bit_length()))
+    half_step = x.double().abs().amax(1, keepdim=True) / (2 ** bits - 1) / 2
+    rows = (w_int8.double() * scale.double()[:, None]).abs().sum(1)
+    h = x.double() @ (w_int8.double() * scale.double()[:, None]).T
+    err_g, err_u = half_step * rows[:n], half_step * rows[n:]
+    g_act = act64(h[:, :n], activation).abs()
+    dh = 1.13 * err_g * (h[:, n:].abs() + err_u) + (g_act + 1.13 * err_g) * err_u
+    tol = 1e-4 * (kept.abs() @ w.abs() + (0 if b_down is None else b_down.double().abs())) + 2 * (dh * kept_ids) @ w.abs()
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref).abs()
+    assert bool((err <= tol + 1e-30).all()), (err / (tol + 1e-30)).max()
+
+
 def test_int8_scores_agree_with_int8_linear():
     """The fused op and the int8_linear op (calibration, simulation, other lowerings) score with the
     same integer arithmetic: their top-k agree."""
@@ -109,13 +159,20 @@ def test_opcheck_and_inside_compile():
     mlp_args = (p["x"], p["w_gate"], p["w_up"], p["w_down_t"], p["idx"], "gelu", p["b_gate"], p["b_up"], p["b_down"])
     torch.library.opcheck(torch.ops.dejavu.cpu_sparse_mlp.default, mlp_args)
     torch.library.opcheck(torch.ops.dejavu.cpu_glu_int8_topk.default, (x, w_int8, scale, 11, "silu"))
+    torch.library.opcheck(torch.ops.dejavu.cpu_glu_int8_mlp.default,
+                          (x, w_int8, scale, p["w_down_t"], 11, "silu", p["b_down"]))
 
     def step(x):
         idx = torch.ops.dejavu.cpu_glu_int8_topk(x, w_int8, scale, 11, "silu")
         return torch.ops.dejavu.cpu_sparse_mlp(x, p["w_gate"], p["w_up"], p["w_down_t"], idx, "silu") * 2 + 1
 
-    compiled = torch.compile(step, backend="inductor", fullgraph=True)
-    torch.testing.assert_close(compiled(x), step(x), rtol=0, atol=0)
+    def block(x):
+        out, idx = torch.ops.dejavu.cpu_glu_int8_mlp(x, w_int8, scale, p["w_down_t"], 11, "gelu", p["b_down"])
+        return out * 2 + 1, idx
+
+    for fn in (step, block):
+        compiled = torch.compile(fn, backend="inductor", fullgraph=True)
+        torch.testing.assert_close(compiled(x), fn(x), rtol=0, atol=0)
 
 
 def test_bad_input_is_a_clear_error():
@@ -141,6 +198,13 @@ def test_bad_input_is_a_clear_error():
         topk(x, w_int8.float(), scale, 3, "silu")
     with pytest.raises(RuntimeError, match="scale"):
         topk(x, w_int8, scale[:-1], 3, "silu")
+    block = torch.ops.dejavu.cpu_glu_int8_mlp
+    with pytest.raises(RuntimeError, match="w_down_t must be"):
+        block(x, w_int8, scale, torch.zeros(19, 8), 3, "silu")
+    with pytest.raises(RuntimeError, match="b_down must be"):
+        block(x, w_int8, scale, torch.zeros(20, 8), 3, "silu", torch.zeros(7))
+    with pytest.raises(RuntimeError, match="k must be"):
+        block(x, w_int8, scale, torch.zeros(20, 8), 0, "silu")
 
 
 def test_build_failure_warns_once_and_the_backend_keeps_aten(monkeypatch):

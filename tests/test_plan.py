@@ -121,11 +121,42 @@ def test_int8_plan_round_trip(tmp_path):
     x = torch.randn(5, model.config.hidden_size)
     for key, e in plan.entries.items():
         b = back.entries[key]
-        assert b.nonlinearity == e.nonlinearity
+        assert b.nonlinearity == e.nonlinearity and b.values == e.values
         if b.A is not None:
             assert b.A.dtype == torch.int8 and torch.equal(b.A, e.A)
         assert torch.equal(b.select(x), e.select(x))
     bad = PlanEntry(0, "mlp", 8, FF, torch.zeros(2 * FF, 64), None, torch.ones(2 * FF), None, "glu_int8")
     with pytest.raises(ValueError, match="int8"):
         SparsityPlan({(0, "mlp"): bad}, plan.fingerprint).save(tmp_path / "q")
+        SparsityPlan.load(tmp_path / "q")
+
+
+def test_values_round_trip_and_validation(tmp_path):
+    """An entry's values survive save/load; a plan written before values existed loads as "exact";
+    values "predictor" without the int8 predictor, or an unknown values, is a clear error."""
+    import json
+
+    from dejavu_compile.collect import collect
+    from dejavu_compile.calibrate import calibrate
+
+    model = tiny_llama(planted=False)
+    samples, _ = collect(model, batches(2, 48), progress=False)
+    plan = calibrate(model, None, samples=samples, mlp_density=0.5, predictor="int8", values="predictor",
+                     progress=False, dense_when_unprofitable=False)
+    plan.save(tmp_path / "p")
+    assert {e.values for e in SparsityPlan.load(tmp_path / "p").entries.values() if e.kind == "mlp"} == {"predictor"}
+    meta_path = tmp_path / "p" / "plan.json"
+    meta = json.loads(meta_path.read_text())
+    for record in meta["entries"]:
+        del record["values"]
+    meta_path.write_text(json.dumps(meta))
+    assert {e.values for e in SparsityPlan.load(tmp_path / "p").entries.values()} == {"exact"}
+    for record in meta["entries"]:
+        record["values"] = "int4"
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="corrupt"):
+        SparsityPlan.load(tmp_path / "p")
+    lowrank = PlanEntry(0, "mlp", 10, FF, torch.randn(64, 4), torch.randn(4, FF), values="predictor")
+    SparsityPlan({(0, "mlp"): lowrank}, plan.fingerprint).save(tmp_path / "q")
+    with pytest.raises(ValueError, match="values 'predictor' needs the int8"):
         SparsityPlan.load(tmp_path / "q")

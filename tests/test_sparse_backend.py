@@ -190,7 +190,7 @@ def test_down_row_sums_split_a_prime_k_into_padded_bags():
     assert any(n.target is torch.nn.functional.pad for n in graph.nodes)
 
 
-def _int8_plan(model, density):
+def _int8_plan(model, density, values="exact"):
     from dejavu_compile.predictors import int8_glu_predictor
 
     entries = {}
@@ -199,8 +199,66 @@ def _int8_plan(model, density):
         t = int8_glu_predictor(mlp.gate_proj.weight, mlp.up_proj.weight)
         total = mlp.gate_proj.weight.shape[0]
         entries[(layer, "mlp")] = PlanEntry(layer, "mlp", max(1, round(total * density)), total, t["A"], None,
-                                            t["a"], None, "glu_int8", "silu", lookahead=False)
+                                            t["a"], None, "glu_int8", "silu", lookahead=False, values=values)
     return SparsityPlan(entries, model_fingerprint(model))
+
+
+def _sparse_logits(model, plan, ids, options):
+    """Logits of one uncached forward compiled with `plan` (strict), and the backend's last report."""
+    torch._dynamo.reset()
+    reports = []
+    got = torch.compile(model, backend="dejavu", options={
+        "plan": plan, "strict": True, "on_report": reports.append, **options})(ids, use_cache=False).logits
+    return got, reports[-1]
+
+
+def _predictor_values_reference(model, plan, ids):
+    """Logits of eager with each MLP replaced by what a values="predictor" entry means: the int8
+    predictor's act(g~) * u~ (float64, from the dequantized rows) on the top k by magnitude, times
+    the down projection."""
+    handles = []
+    for layer, block in enumerate(model.model.layers):
+        entry = plan.entries[(layer, "mlp")]
+
+        def replace_mlp(module, args, output, entry=entry):
+            (x,) = args
+            flat = x.reshape(-1, x.shape[-1]).double()
+            rows = entry.A.double() * entry.a.double()[:, None]
+            h = torch.nn.functional.silu(flat @ rows[:entry.total].T) * (flat @ rows[entry.total:].T)
+            idx = h.abs().topk(entry.k, dim=-1).indices
+            kept = torch.zeros_like(h).scatter(-1, idx, h.gather(-1, idx))
+            return (kept @ module.down_proj.weight.double().T).to(x.dtype).view_as(output)
+
+        handles.append(block.mlp.register_forward_hook(replace_mlp))
+    return logits_with_hooks(model, ids, handles)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_predictor_values_decode_matches_reference(batch):
+    """values="predictor": the kept neurons take the int8 predictor's act(g~) * u~ and only their
+    down rows are read; every lowering (the C++ op, the aten form under Inductor and eager, the
+    masked simulation) computes the reference. F=320 at 40%: k=128."""
+    model = tiny_model("llama", intermediate=320)
+    plan = _int8_plan(model, 0.4, values="predictor")
+    ids = _ids(batch, 1)
+    expected = _predictor_values_reference(model, plan, ids)
+    exact_values = _masked_reference_llama(model, _int8_plan(model, 0.4), ids)
+    with torch.no_grad():
+        for options in ({"inner": "eager"}, {"inner": "inductor"}, {"inner": "inductor", "cpu_lowering": "decomposed"},
+                        {"simulate": True, "inner": "eager"}):
+            got, report = _sparse_logits(model, plan, ids, options)
+            assert describe_difference("logits", got, expected, rtol=1e-4, atol=1e-4) is None, options
+            graph = report.graph.graph
+            targets = {n.target for n in graph.nodes if n.op == "call_function"}
+            fused = torch.ops.dejavu.cpu_glu_int8_mlp.default in targets if native.load_ops() else False
+            assert fused == (native.load_ops() and not options.get("simulate")
+                             and options.get("cpu_lowering", "auto") == "auto"), options
+            # outside the simulation, no node reads the fp32 gate or up weights
+            readers = [n for n in graph.nodes if n.op != "placeholder"
+                       and any(("gate_proj" in a.name or "up_proj" in a.name) for a in n.all_input_nodes)]
+            assert options.get("simulate") or not readers, (options, readers)
+    # int8 values differ from exact ones: the reference can tell the two modes apart
+    assert (exact_values - expected).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -215,12 +273,9 @@ def test_int8_predictor_decode_matches_masked_reference(batch):
     with torch.no_grad():
         dense = model(ids, use_cache=False).logits
         for options in ({"inner": "eager"}, {"inner": "inductor"}, {"simulate": True, "inner": "eager"}):
-            torch._dynamo.reset()
-            reports = []
-            got = torch.compile(model, backend="dejavu", options={
-                "plan": plan, "strict": True, "on_report": reports.append, **options})(ids, use_cache=False).logits
+            got, report = _sparse_logits(model, plan, ids, options)
             assert describe_difference("logits", got, expected, rtol=1e-4, atol=1e-4) is None, options
-            graph = reports[-1].graph.graph
+            graph = report.graph.graph
             predictors = [n for n in graph.nodes if n.meta.get("dejavu", {}).get("role") == "predictor"]
             assert predictors and not any(n.meta["dejavu"]["lookahead"] for n in predictors)
             # on CPU fp32 with the C++ ops: scoring and top-k in one call, in the simulation too
@@ -283,6 +338,26 @@ def test_plan_for_another_model_is_a_clear_error():
         with torch.no_grad():
             torch.compile(other, backend="dejavu", options={"plan": plan, "inner": "eager"})(_ids(1, 1), use_cache=False)
     assert issubclass(PlanMismatchError, ValueError)
+
+
+def test_predictor_values_need_the_int8_predictor_and_no_gate_biases():
+    """values="predictor" on a low-rank entry: a clear error before compiling. On a block with
+    gate/up biases (the int8 rows leave them out): exact values, and the report says why."""
+    model = tiny_model("llama", intermediate=96)
+    plan = _plan(model, 0.5)
+    for entry in plan.entries.values():
+        entry.values = "predictor"
+    with pytest.raises(PlanMismatchError, match="values 'predictor' needs the int8"):
+        with torch.no_grad():
+            torch.compile(model, backend="dejavu", options={"plan": plan, "inner": "eager"})(_ids(1, 1), use_cache=False)
+    biased = tiny_model("llama", intermediate=96, mlp_bias=True)
+    plan = _int8_plan(biased, 0.5, values="predictor")
+    ids = _ids(1, 1)
+    with torch.no_grad():
+        got, report = _sparse_logits(biased, plan, ids, {})
+    expected = _masked_reference_llama(biased, _int8_plan(biased, 0.5), ids)
+    assert describe_difference("logits", got, expected, rtol=1e-4, atol=1e-4) is None
+    assert any("biases" in why for _, why in report.match.fallbacks)
 
 
 def test_predictor_dtype_follows_the_model():

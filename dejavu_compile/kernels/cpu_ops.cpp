@@ -3,7 +3,11 @@
 //   cpu_sparse_mlp(x, w_a, w_b?, w_down_t, idx, activation, b_a?, b_b?, b_down?) -> (B, d_out)
 //       the C kernel of cpu_sparse_mlp.c (w_b None: plain MLP act(w_a x)), fp32;
 //   cpu_glu_int8_topk(x, w_int8, scale, k, activation) -> (B, k) int64, ascending
-//       the int8 predictor's scores |act(g~) * u~| and their top k, in one call.
+//       the int8 predictor's scores |act(g~) * u~| and their top k, in one call;
+//   cpu_glu_int8_mlp(x, w_int8, scale, w_down_t, k, activation, b_down?) -> ((B, d_out), (B, k) ids)
+//       the whole block for plan entries with values "predictor": the int8 predictor's act(g~) * u~
+//       for every neuron, the top k by magnitude, and the down projection of those k values (only
+//       the selected rows of w_down_t are read; the fp32 gate and up weights not at all).
 //
 // Why C++: inside a compiled decode step each op call is made from Inductor's Python wrapper, and
 // what it costs there is Python, not arithmetic. With the caches as a decode step leaves them (a
@@ -20,6 +24,7 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #define restrict __restrict__
@@ -95,10 +100,12 @@ at::Tensor cpu_sparse_mlp(const at::Tensor& x_in, const at::Tensor& w_a, const s
   return out;
 }
 
-// Ids of the k largest of s[0..n), ascending (NaN counts as the largest, as in torch.topk).
-void topk_ascending(const float* s, int64_t n, int64_t k, int64_t* out, std::vector<float>& tmp) {
+// Ids of the k largest of s[0..n) (of |s| with magnitude), ascending (NaN counts as the largest,
+// as in torch.topk).
+void topk_ascending(const float* s, int64_t n, int64_t k, int64_t* out, std::vector<float>& tmp,
+                    bool magnitude = false) {
   const float inf = std::numeric_limits<float>::infinity();
-  auto key = [inf](float v) { return std::isnan(v) ? inf : v; };
+  auto key = [inf, magnitude](float v) { return std::isnan(v) ? inf : (magnitude ? std::fabs(v) : v); };
   tmp.resize(n);
   for (int64_t i = 0; i < n; i++) tmp[i] = key(s[i]);
   std::nth_element(tmp.begin(), tmp.begin() + (n - k), tmp.end());
@@ -112,8 +119,9 @@ void topk_ascending(const float* s, int64_t n, int64_t k, int64_t* out, std::vec
   }
 }
 
-at::Tensor cpu_glu_int8_topk(const at::Tensor& x_in, const at::Tensor& w_int8, const at::Tensor& scale,
-                             int64_t k, c10::string_view activation) {
+// The int8 predictor's act(g~) * u~ (signed_values) or its magnitude for every neuron: (B, F) fp32.
+at::Tensor glu_int8_scores(const at::Tensor& x_in, const at::Tensor& w_int8, const at::Tensor& scale, int64_t k,
+                           c10::string_view activation, bool signed_values) {
   const int act = activation_code(activation);
   check_f32_cpu(x_in, "x");
   TORCH_CHECK(x_in.dim() == 2, "x must be (batch, d), got ", x_in.sizes());
@@ -132,13 +140,40 @@ at::Tensor cpu_glu_int8_topk(const at::Tensor& x_in, const at::Tensor& w_int8, c
   at::Tensor x_int16 = at::empty({nb, d}, x.options().dtype(at::kShort));
   at::Tensor x_scale = at::empty({nb}, x.options());
   dejavu_glu_int8_scores_f32(x.data_ptr<float>(), nb, d, w_int8.data_ptr<int8_t>(), scale.data_ptr<float>(), n,
-                             act, scores.data_ptr<float>(), x_int16.data_ptr<int16_t>(), x_scale.data_ptr<float>(),
-                             at::get_num_threads());
-  at::Tensor idx = at::empty({nb, k}, x.options().dtype(at::kLong));
+                             act, signed_values, scores.data_ptr<float>(), x_int16.data_ptr<int16_t>(),
+                             x_scale.data_ptr<float>(), at::get_num_threads());
+  return scores;
+}
+
+at::Tensor topk_rows(const at::Tensor& scores, int64_t k, bool magnitude) {
+  const int64_t nb = scores.size(0), n = scores.size(1);
+  at::Tensor idx = at::empty({nb, k}, scores.options().dtype(at::kLong));
   std::vector<float> tmp;
   for (int64_t b = 0; b < nb; b++)
-    topk_ascending(scores.data_ptr<float>() + b * n, n, k, idx.data_ptr<int64_t>() + b * k, tmp);
+    topk_ascending(scores.data_ptr<float>() + b * n, n, k, idx.data_ptr<int64_t>() + b * k, tmp, magnitude);
   return idx;
+}
+
+at::Tensor cpu_glu_int8_topk(const at::Tensor& x, const at::Tensor& w_int8, const at::Tensor& scale, int64_t k,
+                             c10::string_view activation) {
+  return topk_rows(glu_int8_scores(x, w_int8, scale, k, activation, false), k, false);
+}
+
+std::tuple<at::Tensor, at::Tensor> cpu_glu_int8_mlp(const at::Tensor& x, const at::Tensor& w_int8,
+                                                    const at::Tensor& scale, const at::Tensor& w_down_t, int64_t k,
+                                                    c10::string_view activation,
+                                                    const std::optional<at::Tensor>& b_down) {
+  const at::Tensor values = glu_int8_scores(x, w_int8, scale, k, activation, true);
+  const int64_t nb = values.size(0), n = values.size(1), d_out = w_down_t.size(1);
+  check_rows(w_down_t, "w_down_t", n, d_out);
+  const float* pd = bias_ptr(b_down, "b_down", d_out);
+  at::Tensor idx = topk_rows(values, k, true);
+  const int threads = at::get_num_threads();
+  at::Tensor out = at::empty({nb, d_out}, values.options());
+  at::Tensor scratch = at::empty({threads * d_out}, values.options());
+  dejavu_weighted_rows_f32(values.data_ptr<float>(), n, idx.data_ptr<int64_t>(), nb, k, w_down_t.data_ptr<float>(),
+                           w_down_t.stride(0), d_out, pd, out.data_ptr<float>(), scratch.data_ptr<float>(), threads);
+  return {out, idx};
 }
 
 }  // namespace
@@ -147,9 +182,12 @@ TORCH_LIBRARY_FRAGMENT(dejavu, m) {
   m.def("cpu_sparse_mlp(Tensor x, Tensor w_a, Tensor? w_b, Tensor w_down_t, Tensor idx, str activation, "
         "Tensor? b_a=None, Tensor? b_b=None, Tensor? b_down=None) -> Tensor");
   m.def("cpu_glu_int8_topk(Tensor x, Tensor w_int8, Tensor scale, int k, str activation) -> Tensor");
+  m.def("cpu_glu_int8_mlp(Tensor x, Tensor w_int8, Tensor scale, Tensor w_down_t, int k, str activation, "
+        "Tensor? b_down=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(dejavu, CPU, m) {
   m.impl("cpu_sparse_mlp", &cpu_sparse_mlp);
   m.impl("cpu_glu_int8_topk", &cpu_glu_int8_topk);
+  m.impl("cpu_glu_int8_mlp", &cpu_glu_int8_mlp);
 }

@@ -208,10 +208,11 @@ void dejavu_int8_linear_f32(const float *x, int64_t nb, int64_t d, const int8_t 
    w: (2F, d) int8, the gate rows then the up rows; a: (2F,) per-row scales; x: (nb, d) contiguous;
    scratch: nb * d int16 and nb floats; scores: (nb, F) contiguous. Neurons go two at a time (their
    gate and up rows: four dot products per pass over x). A row of x holding a NaN or an infinity gets
-   NaN scores. */
+   NaN scores. signed_values: store act(g) * u itself (plan entries with values "predictor" use it
+   as the kept neurons' values); the scores are its magnitude. */
 void dejavu_glu_int8_scores_f32(const float *x, int64_t nb, int64_t d, const int8_t *w, const float *a,
-                                int64_t n_neurons, int activation, float *scores, int16_t *xq, float *inv,
-                                int n_threads) {
+                                int64_t n_neurons, int activation, int signed_values, float *scores, int16_t *xq,
+                                float *inv, int n_threads) {
     quantize_rows(x, nb, d, xq, inv);
     const int64_t pairs = (n_neurons + 1) / 2, F = n_neurons;
 #pragma omp parallel for num_threads(n_threads) schedule(static)
@@ -226,8 +227,46 @@ void dejavu_glu_int8_scores_f32(const float *x, int64_t nb, int64_t d, const int
             dot4_i8(w + j0 * d, w + (F + j0) * d, w + j1 * d, w + (F + j1) * d, xq + b * d, d, h);
             const float c = inv[b];
             float *row = scores + b * F;
-            row[j0] = fabsf(activate(dequantize(a[j0], c, h[0]), activation) * dequantize(a[F + j0], c, h[1]));
-            row[j1] = fabsf(activate(dequantize(a[j1], c, h[2]), activation) * dequantize(a[F + j1], c, h[3]));
+            const float v0 = activate(dequantize(a[j0], c, h[0]), activation) * dequantize(a[F + j0], c, h[1]);
+            const float v1 = activate(dequantize(a[j1], c, h[2]), activation) * dequantize(a[F + j1], c, h[3]);
+            row[j0] = signed_values ? v0 : fabsf(v0);
+            row[j1] = signed_values ? v1 : fabsf(v1);
+        }
+    }
+}
+
+/* out[b] = sum_j h[b * h_stride + r] * table[r] + bias, r = idx[b * k + j] for j < k: the down
+   projection of neurons whose values are already known (plan entries with values "predictor": the
+   int8 predictor's act(g~) * u~), each selected row of the transposed down weight read once, in
+   place. table: rows of d_out floats, table_stride apart; bias NULL or (d_out,); scratch: n_threads
+   * d_out floats; out: (nb, d_out) contiguous. Threads split the rows, as in dejavu_sparse_mlp_f32. */
+void dejavu_weighted_rows_f32(const float *h, int64_t h_stride, const int64_t *idx, int64_t nb, int64_t k,
+                              const float *table, int64_t table_stride, int64_t d_out, const float *bias,
+                              float *out, float *scratch, int n_threads) {
+    const int64_t ahead = dejavu_prefetch_default[0], bytes = dejavu_prefetch_default[1];
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t *ids = idx + b * k;
+        const float *hb = h + b * h_stride;
+#pragma omp parallel num_threads(n_threads)
+        {
+            const int t = omp_get_thread_num(), n_t = omp_get_num_threads();
+            const int64_t lo = k * t / n_t, hi = k * (t + 1) / n_t;
+            float *acc = scratch + (int64_t)t * d_out;
+            memset(acc, 0, sizeof(float) * d_out);
+            for (int64_t j = lo; j < hi; j++) {
+                if (j + ahead < hi) prefetch(table + ids[j + ahead] * table_stride, d_out * 4, bytes);
+                const int64_t r = ids[j];
+                const float v = hb[r], *row = table + r * table_stride;
+#pragma omp simd
+                for (int64_t i = 0; i < d_out; i++) acc[i] += v * row[i];
+            }
+#pragma omp barrier
+            const int64_t c_lo = d_out * t / n_t, c_hi = d_out * (t + 1) / n_t;
+            for (int64_t c = c_lo; c < c_hi; c++) {
+                float s = bias ? bias[c] : 0.0f;
+                for (int u = 0; u < n_t; u++) s += scratch[(int64_t)u * d_out + c];
+                out[b * d_out + c] = s;
+            }
         }
     }
 }

@@ -189,7 +189,8 @@ def int8_linear_f32(x: Tensor, w_int8: Tensor, scale: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 # The backend's CPU decode ops, registered from C++ (cpu_ops.cpp): no Python between Inductor's
 # wrapper and the kernel. dejavu::cpu_sparse_mlp runs the C kernel above; dejavu::cpu_glu_int8_topk
-# scores neurons with the int8 predictor and keeps the top k (ascending ids) in the same call.
+# scores neurons with the int8 predictor and keeps the top k (ascending ids) in the same call;
+# dejavu::cpu_glu_int8_mlp also finishes the block from the predictor's own values (down rows only).
 
 
 def load_ops() -> bool:
@@ -229,8 +230,7 @@ def _register_fakes() -> None:
         _check(x, w_a, w_b, w_down_t, idx, activation, b_a, b_b, b_down, "w_a", "w_b")
         return x.new_empty(x.shape[0], w_down_t.shape[1])
 
-    @torch.library.register_fake("dejavu::cpu_glu_int8_topk")
-    def _(x, w_int8, scale, k, activation):
+    def _check_int8_predictor(x, w_int8, scale, activation):
         # dtypes and ranks only: the C++ kernel checks the sizes (a size test here would put a guard
         # on the graph constant's size, which Dynamo cannot express)
         C.check_x(x)
@@ -238,4 +238,15 @@ def _register_fakes() -> None:
         if w_int8.dtype != torch.int8 or w_int8.dim() != 2 or scale.dim() != 1:
             raise ValueError(f"w_int8 must be int8 (2F, d) and scale (2F,), got {w_int8.dtype} "
                              f"{tuple(w_int8.shape)} and {tuple(scale.shape)}")
+
+    @torch.library.register_fake("dejavu::cpu_glu_int8_topk")
+    def _(x, w_int8, scale, k, activation):
+        _check_int8_predictor(x, w_int8, scale, activation)
         return x.new_empty(x.shape[0], k, dtype=torch.int64)
+
+    @torch.library.register_fake("dejavu::cpu_glu_int8_mlp")
+    def _(x, w_int8, scale, w_down_t, k, activation, b_down=None):
+        _check_int8_predictor(x, w_int8, scale, activation)  # sizes: the C++ kernel checks them (see above)
+        if w_down_t.dim() != 2:
+            raise ValueError(f"w_down_t must be (F, d_out), got {tuple(w_down_t.shape)}")
+        return x.new_empty(x.shape[0], w_down_t.shape[1]), x.new_empty(x.shape[0], k, dtype=torch.int64)

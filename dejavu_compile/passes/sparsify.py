@@ -59,6 +59,9 @@ def check_plan_against_blocks(plan, blocks) -> None:
                                 f"the block input has {width}")
         if entry.nonlinearity == "glu_int8" and isinstance(block, MLPBlock) and not block.gated:
             problems.append(f"layer {layer} mlp: int8 gate/up predictor but the block has no gate")
+        if entry.values == "predictor" and not entry.dense and entry.nonlinearity != "glu_int8":
+            problems.append(f"layer {layer} {kind}: values 'predictor' needs the int8 gate/up predictor, "
+                            f"the entry has {entry.nonlinearity!r}")
     layers = {b.layer for b in blocks if b.layer >= 0}  # -1: a graph of one layer's frame (graph break)
     plan_layers = {layer for layer, _ in plan.entries}
     if layers and max(layers) >= plan.num_layers:
@@ -112,13 +115,7 @@ def _emit_predictor(gm, graph, entry, x2d: fx.Node, prefix: str, dtype, device) 
         return _const(gm, graph, f"{prefix}_{suffix}", t.detach().to(device=device, dtype=dtype).contiguous())
 
     if entry.nonlinearity == "glu_int8":
-        q = _const(gm, graph, f"{prefix}_A_int8", entry.A.detach().to(device=device).contiguous())
-        scale = _const(gm, graph, f"{prefix}_a", entry.a.detach().to(device=device, dtype=torch.float32).contiguous())
-        h = graph.call_function(torch.ops.dejavu.int8_linear.default, (x2d, q, scale))
-        g = graph.call_function(operator.getitem, (h, (Ellipsis, slice(0, entry.total))))
-        u = graph.call_function(operator.getitem, (h, (Ellipsis, slice(entry.total, None))))
-        fn, kwargs = _ACT_FN[_activation_name(entry.activation)]
-        return graph.call_function(torch.abs, (graph.call_function(operator.mul, (graph.call_function(fn, (g,), kwargs), u)),))
+        return graph.call_function(torch.abs, (_emit_int8_values(gm, graph, entry, x2d, prefix, device),))
 
     h = graph.call_function(torch.matmul, (x2d, const("A", entry.A)))
     if entry.a is not None:
@@ -138,6 +135,37 @@ def _emit_predictor(gm, graph, entry, x2d: fx.Node, prefix: str, dtype, device) 
     if entry.b is not None:
         scores = graph.call_function(operator.add, (scores, const("b", entry.b)))
     return scores
+
+
+def _int8_consts(gm, graph, entry, prefix: str, device) -> tuple[fx.Node, fx.Node]:
+    """The int8 predictor's (2F, d) int8 rows and their (2F,) fp32 scales, as graph constants."""
+    q = _const(gm, graph, f"{prefix}_A_int8", entry.A.detach().to(device=device).contiguous())
+    scale = _const(gm, graph, f"{prefix}_a", entry.a.detach().to(device=device, dtype=torch.float32).contiguous())
+    return q, scale
+
+
+def _emit_int8_values(gm, graph, entry, x2d: fx.Node, prefix: str, device) -> fx.Node:
+    """(B, F) act(g~) * u~ of a "glu_int8" entry, signed: its scores' magnitude, and the kept
+    neurons' values when the entry's values are "predictor"."""
+    q, scale = _int8_consts(gm, graph, entry, prefix, device)
+    h = graph.call_function(torch.ops.dejavu.int8_linear.default, (x2d, q, scale))
+    g = graph.call_function(operator.getitem, (h, (Ellipsis, slice(0, entry.total))))
+    u = graph.call_function(operator.getitem, (h, (Ellipsis, slice(entry.total, None))))
+    fn, kwargs = _ACT_FN[_activation_name(entry.activation)]
+    return graph.call_function(operator.mul, (graph.call_function(fn, (g,), kwargs), u))
+
+
+def _predictor_values(block: MLPBlock, entry, fallbacks) -> bool:
+    """Whether the block takes its kept neurons' values from the int8 predictor (entry.values ==
+    "predictor"). The int8 rows hold no biases: a block with gate or up biases keeps exact values,
+    reported."""
+    if entry.values != "predictor":
+        return False
+    if block.gate.bias_node is not None or block.up.bias_node is not None:
+        fallbacks.append((block.module, "gate/up biases: the int8 predictor's values leave them out, so the "
+                                        "kept neurons' values are computed exactly"))
+        return False
+    return True
 
 
 def _activation_name(name: str) -> str:
@@ -228,7 +256,10 @@ def sparsify(gm: fx.GraphModule, example_inputs, report, opts) -> fx.GraphModule
         if block.activation not in KERNEL_ACTIVATIONS:
             match.fallbacks.append((block.module, f"activation {block.activation!r} has no sparse kernel"))
             continue
-        _rewrite_mlp(gm, graph, block, entry, ordered, values, report, opts)
+        if _predictor_values(block, entry, match.fallbacks):
+            _rewrite_mlp_from_predictor(gm, graph, block, entry, values, report, opts)
+        else:
+            _rewrite_mlp(gm, graph, block, entry, ordered, values, report, opts)
     for block in match.attention:
         entry = plan.entries.get((block.layer, "attention"))
         if entry is not None and not entry.dense:
@@ -255,8 +286,7 @@ def _insert_selection(gm, graph, block, entry, ordered, values, opts=None):
     with graph.inserting_before(source.next):
         flat_source = graph.call_method("reshape", (source, -1, shape_of(source)[-1]))
         if fused:
-            q = _const(gm, graph, f"{prefix}_A_int8", entry.A.detach().to(device=device).contiguous())
-            scale = _const(gm, graph, f"{prefix}_a", entry.a.detach().to(device=device, dtype=torch.float32).contiguous())
+            q, scale = _int8_consts(gm, graph, entry, prefix, device)
             scores = idx = graph.call_function(torch.ops.dejavu.cpu_glu_int8_topk.default,
                                                (flat_source, q, scale, entry.k, _activation_name(entry.activation)))
         else:
@@ -290,17 +320,32 @@ def _simulate(gm, match, plan, report, example_inputs, opts) -> fx.GraphModule:
         entry = plan.entries.get((block.layer, "mlp"))
         if entry is None or entry.dense:
             continue
-        idx, _ = _insert_selection(gm, graph, block, entry, ordered, values, opts)
         hidden = block.nodes["hidden"]
-        with graph.inserting_before(hidden.next):
+        from_predictor = _predictor_values(block, entry, match.fallbacks)
+        if from_predictor:  # the predictor's own values, masked: what cpu_glu_int8_mlp sums
+            x = block.nodes["input"]
+            with graph.inserting_before(hidden.next):
+                x2d = graph.call_method("reshape", (x, -1, shape_of(x)[-1]))
+                estimate = _emit_int8_values(gm, graph, entry, x2d, f"dejavu_L{block.layer}_mlp",
+                                             _value_device(values, block.up.node))
+                estimate.meta["dejavu"] = {"role": "predictor", "layer": block.layer, "kind": "mlp",
+                                           "reads": x.name, "lookahead": False}
+                top = graph.call_function(torch.topk, (graph.call_function(torch.abs, (estimate,)), entry.k),
+                                          {"dim": -1, "sorted": False})
+                idx = graph.call_function(operator.getitem, (top, 1))
+        else:
+            idx, _ = _insert_selection(gm, graph, block, entry, ordered, values, opts)
+        with graph.inserting_before(idx.next if from_predictor else hidden.next):  # after idx and hidden
             flat = graph.call_method("reshape", (hidden, -1, block.intermediate_size))
+            kept = graph.call_method("type_as", (estimate, flat)) if from_predictor else flat
             zeros = graph.call_function(torch.zeros_like, (flat,))
             ones = graph.call_function(torch.ones_like, (idx,), {"dtype": _dtype_of(values, block)})
             mask = graph.call_function(torch.scatter, (zeros, -1, idx, ones))
-            masked_flat = graph.call_function(operator.mul, (flat, mask))
+            masked_flat = graph.call_function(operator.mul, (kept, mask))
             masked = graph.call_method("view_as", (masked_flat, hidden))
         hidden.replace_all_uses_with(masked, delete_user_cb=lambda user: user not in (flat, masked))
-        report.rewritten.append(f"layer {block.layer} mlp: masked simulation, {entry.k}/{entry.total} neurons")
+        report.rewritten.append(f"layer {block.layer} mlp: masked simulation, {entry.k}/{entry.total} neurons"
+                                f"{', values from the int8 predictor' if from_predictor else ''}")
     for block in match.attention:
         entry = plan.entries.get((block.layer, "attention"))
         if entry is not None and not entry.dense:
@@ -445,15 +490,62 @@ def _rewrite_mlp(gm, graph, block: MLPBlock, entry, ordered, values, report, opt
             out = graph.call_function(torch.ops.dejavu.sparse_mlp.default,
                                       (x2d, w_up, b_up, w_down_t, b_down, idx, block.activation, False))
         out.meta["dejavu"] = {"role": "sparse_mlp", "layer": block.layer, "k": entry.k}
-        size = graph.call_method("size", (x,))
-        lead = graph.call_function(operator.getitem, (size, slice(None, -1)))
-        shape = graph.call_function(operator.add, (lead, (block.hidden_size,)))
-        shaped = graph.call_method("reshape", (out, shape))
-    old_output = block.nodes["output"]
-    old_output.replace_all_uses_with(shaped)
-    _erase_unused(graph, _mlp_region_nodes(block))
+    _replace_block(graph, block, out)
     report.rewritten.append(f"layer {block.layer} mlp: {entry.k}/{entry.total} neurons"
                             f"{' (lookahead)' if source is not x else ''}")
+
+
+def _replace_block(graph, block: MLPBlock, out: fx.Node) -> None:
+    """The block's output becomes `out` ((tokens, d), reshaped to the input's leading dims); the
+    dense block's nodes go."""
+    x = block.nodes["input"]
+    with graph.inserting_after(out):
+        size = graph.call_method("size", (x,))
+    with graph.inserting_after(size):
+        lead = graph.call_function(operator.getitem, (size, slice(None, -1)))
+    with graph.inserting_after(lead):
+        shape = graph.call_function(operator.add, (lead, (block.hidden_size,)))
+    with graph.inserting_after(shape):
+        shaped = graph.call_method("reshape", (out, shape))
+    block.nodes["output"].replace_all_uses_with(shaped)
+    _erase_unused(graph, _mlp_region_nodes(block))
+
+
+def _rewrite_mlp_from_predictor(gm, graph, block: MLPBlock, entry, values, report, opts) -> None:
+    """The block from its int8 predictor's values (entry.values == "predictor"): act(g~) * u~ for
+    every neuron, the top k by magnitude, and those k values times their rows of the transposed
+    down weight. The fp32 gate and up weights are not read. On CPU fp32 with the C++ ops all of it
+    is one call (``dejavu::cpu_glu_int8_mlp``); elsewhere aten ops (int8_linear, topk, gather,
+    embedding_bag)."""
+    x = block.nodes["input"]
+    prefix = f"dejavu_L{block.layer}_mlp"
+    down_value = values.get(block.down.node)
+    device = _value_device(values, block.down.node)
+    fp32 = down_value is None or down_value.dtype == torch.float32
+    with graph.inserting_before(block.nodes["down"]):
+        x2d = graph.call_method("reshape", (x, -1, shape_of(x)[-1]))
+        w_down_t = _transposed_weight(gm, graph, block.down, down_value, f"{prefix}_w_down_t", report,
+                                      f"layer {block.layer} mlp: down")
+        b_down = block.down.bias_node
+        if fp32 and _cpu_lowering(opts, down_value) == "native":
+            q, scale = _int8_consts(gm, graph, entry, prefix, device)
+            both = graph.call_function(torch.ops.dejavu.cpu_glu_int8_mlp.default,
+                                       (x2d, q, scale, w_down_t, entry.k, _activation_name(entry.activation), b_down))
+            out = graph.call_function(operator.getitem, (both, 0))
+            predictor = both
+        else:
+            estimate = predictor = _emit_int8_values(gm, graph, entry, x2d, prefix, device)
+            top = graph.call_function(torch.topk, (graph.call_function(torch.abs, (estimate,)), entry.k),
+                                      {"dim": -1, "sorted": False})
+            idx = graph.call_function(operator.getitem, (top, 1))
+            kept = graph.call_function(torch.gather, (estimate, -1, idx))
+            out = _weighted_row_sum(graph, idx, kept, entry.k, w_down_t, b_down)
+        predictor.meta["dejavu"] = {"role": "predictor", "layer": block.layer, "kind": "mlp", "reads": x.name,
+                                    "lookahead": False}
+        out.meta["dejavu"] = {"role": "sparse_mlp", "layer": block.layer, "k": entry.k}
+    _replace_block(graph, block, out)
+    report.rewritten.append(f"layer {block.layer} mlp: {entry.k}/{entry.total} neurons, values from the int8 "
+                            "predictor (down rows only)")
 
 
 def prepare_model(model, *example_args, **example_kwargs) -> list[str]:
