@@ -42,22 +42,47 @@ def synthetic_plan(model, density: float, rank: int, seed: int = 0, attn_density
     return SparsityPlan(entries, model_fingerprint(model))
 
 
+# --predictors: how each plan is calibrated. "int8" is the default plan's method (values from the
+# int8 predictor: only the kept down rows are read); "int8-exact" selects the same neurons but
+# computes their values from the fp32 gate/up rows.
+PREDICTORS = {"lowrank": {"predictor": "lowrank"}, "int8": {"predictor": "int8", "values": "predictor"},
+              "int8-exact": {"predictor": "int8", "values": "exact"}}
+
+
+def synthetic_int8_plan(model, density: float):
+    """The default plan's method on random weights: each MLP's own gate/up rows in int8, kept
+    neurons' values from them (speed only)."""
+    from dejavu_compile.plan import PlanEntry, SparsityPlan, model_fingerprint
+    from dejavu_compile.predictors import int8_glu_predictor
+
+    entries = {}
+    for layer, block in enumerate(model.model.layers):
+        t = int8_glu_predictor(block.mlp.gate_proj.weight, block.mlp.up_proj.weight)
+        total = t["A"].shape[0] // 2
+        entries[(layer, "mlp")] = PlanEntry(layer, "mlp", max(1, round(total * density)), total, t["A"], None, t["a"],
+                                            None, "glu_int8", model.config.hidden_act, values="predictor")
+    return SparsityPlan(entries, model_fingerprint(model))
+
+
 def _heads(attn_density: float) -> str:
     return "" if attn_density >= 1.0 else f" h{attn_density:.2f}"
 
 
 def run_smollm2(args, report):
     from dejavu_compile.bench import Variant, compiled_forward, measure_decode
-    from dejavu_compile.calibrate import calibrate
+    from dejavu_compile.calibrate import DEFAULT_MAX_TOKENS, calibrate
     from dejavu_compile.cli import DEMO_PROMPT, bandwidth_bound
+    from dejavu_compile.collect import collect
     from dejavu_compile.data import news_texts, tokenize_chunks, wiki_articles
     from dejavu_compile.evaluate import perplexity
     from dejavu_compile.models import load_smollm2
     from dejavu_compile.passes.sparsify import prepare_model
 
     model, tok = load_smollm2()
-    builders = {p: calibrate(model, tok, predictor=p, attn_density=args.attn_density, return_builder=True)
-                for p in args.predictors}
+    samples, _ = collect(model, tokenize_chunks(tok, wiki_articles("calibration"), 256, DEFAULT_MAX_TOKENS),
+                         max_tokens=DEFAULT_MAX_TOKENS)  # one collection for every predictor
+    builders = {p: calibrate(model, tok, attn_density=args.attn_density, return_builder=True, samples=samples,
+                             **PREDICTORS[p]) for p in args.predictors}
     prepare_model(model)
     ids = tok(DEMO_PROMPT, return_tensors="pt").input_ids
     chunks = tokenize_chunks(tok, wiki_articles("eval"), seq_len=256, max_tokens=args.eval_tokens)
@@ -82,13 +107,15 @@ def run_smollm2(args, report):
         if name in lowering_of:
             plan_name, lowering = lowering_of[name]
             plan = plans[plan_name]
+            method = plan_name.split()[1]
             if plan_name not in quality:  # the same selection whatever the lowering: evaluate once
                 quality[plan_name] = perplexity(model, chunks, plan, progress=True), perplexity(model, news, plan)
             ppl, ppl_news = quality[plan_name]
             entry["cpu_lowering"] = lowering
             bound = bandwidth_bound(model, plan)
             mlp = [e for e in plan.entries.values() if e.kind == "mlp"]
-            entry.update(predictor=plan.settings.get("predictor"), mlp_density=plan.mlp_density,
+            entry.update(method=method, predictor=plan.settings.get("predictor"), values=plan.settings.get("values"),
+                         mlp_density=plan.mlp_density,
                          attn_density=plan.attn_density, perplexity=ppl,
                          ppl_increase=ppl / dense_ppl - 1, news_ppl_increase=ppl_news / dense_news - 1,
                          mean_recall=sum(e.stats.get("recall", 1.0) for e in mlp) / len(mlp),
@@ -137,6 +164,8 @@ def run_synthetic(args, report):
     head_densities = dict.fromkeys((1.0, args.attn_density))  # with heads: also without, in the same process
     plans = {f"dejavu {d:.2f}{_heads(a)}": synthetic_plan(model, d, 64, attn_density=a)
              for d in densities for a in head_densities}
+    if args.device == "cpu" and dtype == torch.float32:  # the int8 method is a CPU fp32 lowering
+        plans.update({f"dejavu int8 {d:.2f}": synthetic_int8_plan(model, d) for d in densities})
     bounds = {name: bandwidth_bound(model, plan) for name, plan in plans.items()}
 
     def dejavu(name, lowering):  # torch.compile refuses mode with options: give both to the backend
@@ -155,7 +184,8 @@ def run_synthetic(args, report):
                    "device": args.device, "dtype": args.dtype,
                    "mode": args.mode, "predictor_rank": 64, "rows": rows}
     print(f"\nLLaMA-{args.synthetic_shape}-shaped, {args.synthetic_layers} layers, random weights and predictors "
-          f"(speed only), {args.device} {args.dtype}, mode={args.mode}")
+          f"(speed only; 'dejavu D': low-rank predictors, 'dejavu int8 D': the default plan's method), "
+          f"{args.device} {args.dtype}, mode={args.mode}")
     for r in rows:
         print(f"{r['variant']:<34}{r['tokens_per_s']:>10.2f} tokens/s{r['speedup_vs_inductor']:>8.2f}x"
               f"   (bandwidth bound {r['bandwidth_bound']:.2f}x)")
@@ -172,10 +202,12 @@ def plot(report, path):
     if not rows:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    for pred in dict.fromkeys(r.get("predictor") for r in rows):
-        mine = sorted((r for r in rows if r.get("predictor") == pred), key=lambda r: r["mlp_density"])
+    labels = {"lowrank": "low-rank predictor", "int8": "int8 predictor, its values",
+              "int8-exact": "int8 predictor, exact values"}
+    for method in dict.fromkeys(r.get("method", r.get("predictor")) for r in rows):
+        mine = sorted((r for r in rows if r.get("method", r.get("predictor")) == method), key=lambda r: r["mlp_density"])
         ax.plot([100 * r["ppl_increase"] for r in mine], [r["speedup_vs_inductor"] for r in mine], "o-",
-                label=f"dejavu, {pred} predictor")
+                label=f"dejavu, {labels.get(method, method)}")
     for r in rows:
         ax.annotate(f"{r['mlp_density']:.2f}", (100 * r["ppl_increase"], r["speedup_vs_inductor"]),
                     textcoords="offset points", xytext=(4, 4), fontsize=8)
@@ -191,8 +223,10 @@ def plot(report, path):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--densities", type=float, nargs="+", default=[0.5, 0.6, 0.75, 0.98])
-    ap.add_argument("--predictors", nargs="+", default=["lowrank", "int8"], choices=["lowrank", "int8"])
+    ap.add_argument("--densities", type=float, nargs="+", default=[0.5, 0.6, 0.7, 0.8, 0.98])
+    ap.add_argument("--predictors", nargs="+", default=list(PREDICTORS), choices=list(PREDICTORS),
+                    help="int8: the default plan (kept neurons' values from the int8 predictor); int8-exact: the same "
+                         "selection, values from the fp32 weights; lowrank: Deja Vu's low-rank lookahead predictor")
     ap.add_argument("--attn-density", type=float, default=1.0,
                     help="share of query heads kept (head predictors trained by calibration; 1.0: attention dense)")
     ap.add_argument("--cpu-lowering", nargs="+", default=["auto"], choices=["auto", "native", "op", "decomposed"],

@@ -1,7 +1,9 @@
 """Quality harness: held-out perplexity, dense vs sparse, per selection method and MLP density.
 
 All sparse numbers are a *masked dense simulation* (dense model, per-token 0/1 masks applied by
-forward hooks, see dejavu_compile.quality): they measure quality, not speed.
+forward hooks, see dejavu_compile.quality): they measure quality, not speed. Plans whose kept
+neurons take the int8 predictor's values ("int8_values", the default plan) are evaluated through
+the backend's own masked simulation (dejavu_compile.evaluate), which uses those values.
 
     python benchmarks/quality.py            # full sweep (~15-25 min on 2 CPU cores)
     python benchmarks/quality.py --quick    # 0.5 density only, fewer tokens
@@ -18,6 +20,7 @@ from pathlib import Path
 import torch
 
 from dejavu_compile.calibrate import calibrate
+from dejavu_compile.evaluate import perplexity as backend_perplexity
 from dejavu_compile.quality import (
     SIM_LABEL, TealSelector, cats_selector, oracle_selector, perplexity, plan_selector, smollm2_harness,
 )
@@ -32,7 +35,10 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-tokens", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--calib-tokens", type=int, default=8192)
-    ap.add_argument("--methods", nargs="*", default=["oracle", "int8", "learned_lookahead", "learned", "cats", "teal"])
+    ap.add_argument("--methods", nargs="*",
+                    default=["oracle", "int8_values", "int8", "learned_lookahead", "learned", "cats", "teal"],
+                    help="int8_values: the default plan's method (kept neurons' values from the int8 predictor); "
+                         "int8: the same selection with exact values")
     ap.add_argument("--head-densities", type=float, nargs="*", default=[],
                     help="also sweep attention head density (MLP dense): oracle heads vs learned head predictors")
     ap.add_argument("--out", default=str(RESULTS))
@@ -53,10 +59,12 @@ def main(argv=None) -> int:
     rows = []
     plans = {}
 
-    def record(method, density, selector, extra=None):
+    def record(method, density, selector, extra=None, plan=None):
+        """selector: masks by forward hooks; plan with predictor values: the backend's simulation."""
         row = {"method": method, "mlp_density": density, **(extra or {})}
+        through_backend = plan is not None and any(e.values == "predictor" for e in plan.entries.values())
         for name, chunks in sets.items():
-            ppl = perplexity(model, chunks, selector)
+            ppl = backend_perplexity(model, chunks, plan) if through_backend else perplexity(model, chunks, selector)
             row[f"{name}_ppl"] = ppl
             row[f"{name}_increase"] = ppl / dense[name] - 1.0
         rows.append(row)
@@ -64,10 +72,12 @@ def main(argv=None) -> int:
 
     builders = {}
     for method in args.methods:
-        if method in ("learned", "learned_lookahead", "int8"):
+        if method in ("learned", "learned_lookahead", "int8", "int8_values"):
             tt = time.time()
+            int8 = method.startswith("int8")
             builders[method] = calibrate(model, tok, lookahead=method == "learned_lookahead", samples=samples,
-                                         predictor="int8" if method == "int8" else "lowrank",
+                                         predictor="int8" if int8 else "lowrank",
+                                         values="predictor" if method == "int8_values" else "exact",
                                          progress=True, return_builder=True)
             print(f"{method}: predictors fitted in {time.time() - tt:.0f} s", flush=True)
 
@@ -96,7 +106,7 @@ def main(argv=None) -> int:
                     "predictor_bytes_vs_fp32_block": (
                         sparse[0].read_bytes(4) / (12 * sparse[0].total * model.config.hidden_size) if sparse else 0.0),
                 }
-                record(method, density, plan_selector(plan), extra)
+                record(method, density, plan_selector(plan), extra, plan)
 
     # Attention heads (MLP dense): the true top heads per token vs the learned head predictors.
     head_rows = []
@@ -114,7 +124,7 @@ def main(argv=None) -> int:
 
     # Default operating point: what `calibrate()` returns with its defaults (on CPU: the int8 predictor).
     default_plan = calibrate(model, tok, samples=samples, progress=False)
-    record("default_plan", default_plan.mlp_density, plan_selector(default_plan), {"collect_s": collect_s})
+    record("default_plan", default_plan.mlp_density, plan_selector(default_plan), {"collect_s": collect_s}, default_plan)
 
     # Per-layer recall/mass, with and without lookahead, at 0.5 (or the first density) if calibrated.
     per_layer = []
@@ -155,6 +165,8 @@ def main(argv=None) -> int:
             "learned": "glu low-rank predictor (rank d/4 per projection), k per layer by greedy budget",
             "int8": "the block's own gate/up weights in int8 (per-row scales) as predictor, block's own input, "
                     "k per layer by greedy budget; predictor reads 1/6 of the fp32 block's bytes",
+            "int8_values": "int8's selection, the kept neurons' act(g~)*u~ taken from the int8 predictor "
+                           "(the sparse block reads only their down rows); through the backend's simulation",
         },
     }
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
