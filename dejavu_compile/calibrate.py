@@ -21,17 +21,17 @@ from dejavu_compile.predictors import (fit_glu_predictor, glu_scores, int8_glu_p
 
 from dejavu_compile.collect import collect
 
-# Recommended operating point, measured with benchmarks/quality.py and benchmarks/decode.py on
-# SmolLM2-135M (held-out Wikipedia / news, 2 CPU cores, fp32): for gated MLPs on CPU the int8
-# predictor (the block's own gate/up weights in int8: near-oracle selection) with the kept neurons'
-# values taken from it (only their down rows are read) at 70% MLP density: +0.6% / +0.8% perplexity,
-# decode at ~1.3x dense Inductor with the backend's C++ ops (60%: about as fast, +1.1% / +2.3%).
-# With exact values the same selection reads the kept gate/up rows too and only matches dense speed.
+# Recommended operating point, measured with benchmarks/decode.py on SmolLM2-135M (held-out
+# Wikipedia / news, 2 CPU cores, fp32): for gated MLPs on CPU the int8 predictor (the block's own
+# gate/up weights in int8: near-oracle selection) with the kept neurons' values taken from it (only
+# their down rows are read) at 60% MLP density: +1.1% / +2.1% perplexity, decode at 1.30-1.38x dense
+# Inductor with the backend's C++ ops (70%: +0.7% / +0.9%, 1.22-1.32x). With exact values the same
+# selection also reads the kept gate/up rows and only matches dense speed (0.92-1.00x).
 # The low-rank lookahead predictor is far from the oracle on this SwiGLU model: within the <= +3%
-# budget it stays barely sparse (0.98 -> one sparse layer, +1.9% / +2.4%, 0.98x). Off the CPU, and
-# for plain MLPs (OPT, GPT-2: no gate to quantize), the default stays the low-rank predictor: the
-# int8 GEMV has no GPU kernel yet (CUDA runs it as a dequantized matmul).
-DEFAULT_MLP_DENSITY = {"int8": 0.7, "lowrank": 0.98}
+# budget it stays barely sparse (0.98 -> one sparse layer, +1.9% / +2.4%, 0.95-0.98x). Off the CPU,
+# and for plain MLPs (OPT, GPT-2: no gate to quantize), the default stays the low-rank predictor:
+# the int8 GEMV has no GPU kernel yet (CUDA runs it as a dequantized matmul).
+DEFAULT_MLP_DENSITY = {"int8": 0.6, "lowrank": 0.98}
 DEFAULT_RANK_FRACTION = 0.25  # predictor rank r = fraction * d (per projection of the "glu" predictor)
 DEFAULT_MAX_TOKENS = 8192
 DEFAULT_SEQ_LEN = 256
@@ -97,7 +97,7 @@ def calibrate(
 
     texts: list of strings, a single string, or None for the bundled Wikipedia calibration split.
     mlp_density / attn_density: target average fraction of MLP neurons / query heads kept (mlp_density
-        None: the predictor's recommended point, DEFAULT_MLP_DENSITY: 0.7 for int8, 0.98 for lowrank).
+        None: the predictor's recommended point, DEFAULT_MLP_DENSITY: 0.6 for int8, 0.98 for lowrank).
     lookahead: predictors read the previous block's input (can run beside it).
     dense_when_unprofitable: keep a layer dense when its kept rows plus its predictor would read at
         least as many bytes as the dense block (the plan's density can then exceed the target).
@@ -295,7 +295,7 @@ def main_calibrate(argv=None) -> int:
     ap.add_argument("--out", required=True, help="directory to write the plan to")
     ap.add_argument("--model", default="smollm2", help="'smollm2' (bundled GGUF) or a local HF model directory")
     ap.add_argument("--density", type=float, default=None,
-                    help="average MLP density to keep (default: 0.7 with the int8 predictor, 0.98 with lowrank)")
+                    help="average MLP density to keep (default: 0.6 with the int8 predictor, 0.98 with lowrank)")
     ap.add_argument("--attn-density", type=float, default=1.0, help="average attention head density")
     ap.add_argument("--max-ppl-increase", type=float, default=None, help="quality budget, e.g. 0.03 (overrides --density)")
     ap.add_argument("--texts", default=None, help="text file to calibrate on (default: bundled Wikipedia split)")
