@@ -121,6 +121,12 @@ def bandwidth_bound(model, plan) -> float:
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     if embed is not None and (head is None or head.weight is not embed.weight):
         total -= nbytes(embed.weight)
+    def ref_bytes(ref) -> float:  # a fused weight (gate_up_proj, c_attn): only the rows this role owns
+        p = params[ref.name]
+        if ref.rows is None:
+            return nbytes(p)
+        return nbytes(p) * (ref.rows[1] - ref.rows[0]) / p.shape[0 if ref.layout == "out_in" else 1]
+
     saved = 0.0
     for block in matched_blocks(model):
         entry = plan.entries.get((block.layer, block.kind))
@@ -128,7 +134,7 @@ def bandwidth_bound(model, plan) -> float:
             continue
         if block.kind == "mlp" and entry.values == "predictor" and block.gated:
             # kept neurons' values from the int8 predictor: gate and up not read, down rows kept
-            saved += sum(nbytes(params[ref.name]) for ref in (block.gate, block.up) if ref.name in params)
+            saved += sum(ref_bytes(ref) for ref in (block.gate, block.up) if ref.name in params)
             sparse_refs = [block.down]
         elif block.kind == "mlp":
             sparse_refs = block.weights.values()
@@ -136,7 +142,7 @@ def bandwidth_bound(model, plan) -> float:
             continue
         else:
             sparse_refs = [block.o] + ([block.q] if dense_query_reason(block) is None else [])
-        sparse = sum(nbytes(params[ref.name]) for ref in sparse_refs if ref.name in params)
+        sparse = sum(ref_bytes(ref) for ref in sparse_refs if ref.name in params)
         saved += sparse * (1.0 - entry.k / entry.total) - entry.read_bytes(element_size)
     return total / (total - saved)
 

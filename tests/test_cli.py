@@ -51,3 +51,34 @@ def test_bandwidth_bound_by_hand():
     q_and_o = sum(p.numel() for name, p in model.named_parameters() if "q_proj" in name or "o_proj" in name)
     expected = total / (total - (0.5 * mlp - predictors) - (0.5 * q_and_o - 2 * (64 * 4 + 4 * 4)))
     assert abs(bandwidth_bound(model, plan) - expected) < 1e-9
+
+
+def _int8_values_plan(model, density):
+    from dejavu_compile.explain import matched_blocks
+
+    entries = {}
+    for block in matched_blocks(model):
+        if block.kind == "mlp":
+            F, d = block.intermediate_size, block.hidden_size
+            entries[(block.layer, "mlp")] = PlanEntry(
+                block.layer, "mlp", round(F * density), F, torch.zeros(2 * F, d, dtype=torch.int8), None,
+                torch.ones(2 * F), None, "glu_int8", values="predictor")
+    return SparsityPlan(entries, model_fingerprint(model))
+
+
+def test_bandwidth_bound_with_the_predictors_values():
+    """Values from the int8 predictor: gate and up are not read at all, the down projection only
+    for the kept rows; the int8 predictor (2F x d bytes + 2F fp32 scales) is paid for. Phi-3's fused
+    gate_up_proj counts once (each role owns half its rows)."""
+    for arch, names in (("llama", ("gate_proj", "up_proj")), ("phi3", ("gate_up_proj",))):
+        model = tiny_model(arch)
+        params = dict(model.named_parameters())
+        total = sum(p.numel() for p in model.parameters()) * 4
+        if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+            total -= model.get_input_embeddings().weight.numel() * 4
+        gate_up = sum(p.numel() for n, p in params.items() if any(f"mlp.{k}." in n for k in names)) * 4
+        down = sum(p.numel() for n, p in params.items() if "mlp.down_proj." in n) * 4
+        F, d, layers = model.config.intermediate_size, model.config.hidden_size, model.config.num_hidden_layers
+        predictors = layers * (2 * F * d + 2 * F * 4)
+        expected = total / (total - (gate_up + 0.5 * down - predictors))
+        assert abs(bandwidth_bound(model, _int8_values_plan(model, 0.5)) - expected) < 1e-9, arch
