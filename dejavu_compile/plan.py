@@ -200,7 +200,8 @@ class SparsityPlan:
         lines = [f"SparsityPlan: {self.num_layers} layers, MLP density {self.mlp_density:.3f}, attention density {self.attn_density:.3f}"]
         for (l, kind), e in sorted(self.entries.items()):
             extra = " ".join(f"{k}={v:.3f}" for k, v in e.stats.items() if isinstance(v, float))
-            lines.append(f"  L{l:02d} {kind:9s} k={e.k:5d}/{e.total:<5d} {e.nonlinearity:5s} lookahead={e.lookahead} {extra}")
+            values = "" if e.values == "exact" else f" values={e.values}"
+            lines.append(f"  L{l:02d} {kind:9s} k={e.k:5d}/{e.total:<5d} {e.nonlinearity:5s} lookahead={e.lookahead}{values} {extra}")
         return "\n".join(lines)
 
     # ---------------------------------------------------------------- model binding
