@@ -70,7 +70,7 @@ def _heads(attn_density: float) -> str:
 
 def run_smollm2(args, report):
     from dejavu_compile.bench import Variant, compiled_forward, measure_decode
-    from dejavu_compile.calibrate import DEFAULT_MAX_TOKENS, calibrate
+    from dejavu_compile.calibrate import DEFAULT_MAX_TOKENS, DEFAULT_SEQ_LEN, calibrate
     from dejavu_compile.cli import DEMO_PROMPT, bandwidth_bound
     from dejavu_compile.collect import collect
     from dejavu_compile.data import news_texts, tokenize_chunks, wiki_articles
@@ -79,7 +79,7 @@ def run_smollm2(args, report):
     from dejavu_compile.passes.sparsify import prepare_model
 
     model, tok = load_smollm2()
-    samples, _ = collect(model, tokenize_chunks(tok, wiki_articles("calibration"), 256, DEFAULT_MAX_TOKENS),
+    samples, _ = collect(model, tokenize_chunks(tok, wiki_articles("calibration"), DEFAULT_SEQ_LEN, DEFAULT_MAX_TOKENS),
                          max_tokens=DEFAULT_MAX_TOKENS)  # one collection for every predictor
     builders = {p: calibrate(model, tok, attn_density=args.attn_density, return_builder=True, samples=samples,
                              **PREDICTORS[p]) for p in args.predictors}

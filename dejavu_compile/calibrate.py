@@ -121,6 +121,8 @@ def calibrate(
 
     if predictor not in ("auto", "lowrank", "int8"):
         raise ValueError(f"predictor must be 'auto', 'lowrank' or 'int8', got {predictor!r}")
+    if values not in ("auto", "exact", "predictor"):
+        raise ValueError(f"values must be 'auto', 'exact' or 'predictor', got {values!r}")
     torch.manual_seed(seed)
     t0 = time.time()
     if texts is None:
@@ -151,8 +153,6 @@ def calibrate(
         predictor = "int8" if on_cpu and all_gated else "lowrank"
     if values == "auto":
         values = "predictor" if predictor == "int8" else "exact"
-    if values not in ("exact", "predictor"):
-        raise ValueError(f"values must be 'auto', 'exact' or 'predictor', got {values!r}")
     if values == "predictor" and predictor != "int8":
         raise ValueError("values='predictor' takes the kept neurons' values from the int8 predictor: "
                          "use predictor='int8' (or values='exact')")

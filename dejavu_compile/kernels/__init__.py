@@ -9,10 +9,12 @@ C kernel built on first use, ``native.py``):
 
 - ``int8_linear(x, w_int8, scale)``: the int8 predictor's GEMV (the C kernel on CPU, see ``int8.py``)
 
-The backend's CPU decode step calls two more, registered from C++ by ``native.load_ops()`` (fp32,
+The backend's CPU decode step calls three more, registered from C++ by ``native.load_ops()`` (fp32,
 inference only, no Python between Inductor's wrapper and the kernel; see ``cpu_ops.cpp``):
-``cpu_sparse_mlp(x, w_a, w_b, w_down_t, idx, activation, b_a, b_b, b_down)`` (w_b None: plain MLP)
-and ``cpu_glu_int8_topk(x, w_int8, scale, k, activation)`` (the int8 predictor's top k, ascending).
+``cpu_sparse_mlp(x, w_a, w_b, w_down_t, idx, activation, b_a, b_b, b_down)`` (w_b None: plain MLP),
+``cpu_glu_int8_topk(x, w_int8, scale, k, activation)`` (the int8 predictor's top k, ascending) and
+``cpu_glu_int8_mlp(x, w_int8, scale, w_down_t, k, activation, b_down)`` (the block from the int8
+predictor's own values, plan entries with values "predictor").
 
 Weight layouts are prepared once with ``prepare_gated_mlp_weights``, ``prepare_mlp_weights`` and
 ``prepare_attention_weights``. Triton launchers live in ``triton_mlp`` (imported on first CUDA use,

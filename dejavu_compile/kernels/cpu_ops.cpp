@@ -163,10 +163,11 @@ std::tuple<at::Tensor, at::Tensor> cpu_glu_int8_mlp(const at::Tensor& x, const a
                                                     const at::Tensor& scale, const at::Tensor& w_down_t, int64_t k,
                                                     c10::string_view activation,
                                                     const std::optional<at::Tensor>& b_down) {
-  const at::Tensor values = glu_int8_scores(x, w_int8, scale, k, activation, true);
-  const int64_t nb = values.size(0), n = values.size(1), d_out = w_down_t.size(1);
+  const int64_t n = w_int8.size(0) / 2, d_out = w_down_t.size(1);  // w_int8 itself: glu_int8_scores checks it
   check_rows(w_down_t, "w_down_t", n, d_out);
   const float* pd = bias_ptr(b_down, "b_down", d_out);
+  const at::Tensor values = glu_int8_scores(x, w_int8, scale, k, activation, true);
+  const int64_t nb = values.size(0);
   at::Tensor idx = topk_rows(values, k, true);
   const int threads = at::get_num_threads();
   at::Tensor out = at::empty({nb, d_out}, values.options());

@@ -41,6 +41,19 @@ static inline void prefetch(const float *row, int64_t row_bytes, int64_t max_byt
     for (int64_t o = 0; o < n; o += 64) __builtin_prefetch((const char *)row + o, 0, 3);
 }
 
+/* Thread t of n_t sums its slice of the `width` output columns over the n_t per-thread
+   accumulators in scratch (width floats apart), adding bias[c % bias_len] when bias is given.
+   Called by every thread of a parallel region after its barrier. */
+static inline void sum_partials(const float *scratch, int64_t width, const float *bias, int64_t bias_len,
+                                float *out, int t, int n_t) {
+    const int64_t c_lo = width * t / n_t, c_hi = width * (t + 1) / n_t;
+    for (int64_t c = c_lo; c < c_hi; c++) {
+        float s = bias ? bias[c % bias_len] : 0.0f;
+        for (int u = 0; u < n_t; u++) s += scratch[(int64_t)u * width + c];
+        out[c] = s;
+    }
+}
+
 /* The default prefetch: the first 256 B of each row, 4 neurons ahead (benchmarks/kernels.py
    --prefetch-sweep, LLaMA-7B rows at 25% density: efficiency 0.74 without, 0.77-0.81 with 64-1024 B
    2-8 neurons ahead, 0.71 prefetching whole rows; at 50% and on SmolLM2 within the noise, +-0.04).
@@ -95,14 +108,7 @@ void dejavu_sparse_mlp_f32(const float *x, int64_t nb, int64_t d, int64_t d_out,
                 }
             }
 #pragma omp barrier
-            /* Sum the per-thread accumulators, each thread a slice of the output columns. */
-            const int64_t width = rows_per_pass * d_out;
-            const int64_t c_lo = width * t / n_t, c_hi = width * (t + 1) / n_t;
-            for (int64_t c = c_lo; c < c_hi; c++) {
-                float s = b_down ? b_down[c % d_out] : 0.0f;
-                for (int u = 0; u < n_t; u++) s += scratch[(int64_t)u * width + c];
-                outp[c] = s;
-            }
+            sum_partials(scratch, rows_per_pass * d_out, b_down, d_out, outp, t, n_t);
         }
     }
 }
@@ -261,12 +267,7 @@ void dejavu_weighted_rows_f32(const float *h, int64_t h_stride, const int64_t *i
                 for (int64_t i = 0; i < d_out; i++) acc[i] += v * row[i];
             }
 #pragma omp barrier
-            const int64_t c_lo = d_out * t / n_t, c_hi = d_out * (t + 1) / n_t;
-            for (int64_t c = c_lo; c < c_hi; c++) {
-                float s = bias ? bias[c] : 0.0f;
-                for (int u = 0; u < n_t; u++) s += scratch[(int64_t)u * d_out + c];
-                out[b * d_out + c] = s;
-            }
+            sum_partials(scratch, d_out, bias, d_out, out + b * d_out, t, n_t);
         }
     }
 }

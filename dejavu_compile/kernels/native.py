@@ -45,7 +45,8 @@ OPS_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 # -ffp-contract=fast: fused multiply-adds in the dot products and row sums. ISO C mode (-std=c11)
 # turns contraction off, which left the ctypes build 7% slower than the same code built as C++
 # (LLaMA-7B rows at 25-50% density: efficiency 0.81-0.82 against 0.86-0.88).
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11")
+_COMMON_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fPIC", "-shared")
+FLAGS = (*_COMMON_FLAGS, "-std=c11")
 ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 # None: the kernel's own default prefetch (dejavu_prefetch_default in cpu_sparse_mlp.c, which the
 # C++ op uses too); benchmarks/kernels.py --prefetch-sweep sets other (rows ahead, bytes per row).
@@ -208,7 +209,7 @@ def load_ops() -> bool:
                     raise RuntimeError("no C++ compiler found (set $CXX)")
                 from torch.utils import cpp_extension
 
-                flags = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c++20", "-w",
+                flags = (*_COMMON_FLAGS, "-std=c++20", "-w",
                          f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                          *(f"-I{p}" for p in cpp_extension.include_paths()))
                 libs = (*(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-lm")

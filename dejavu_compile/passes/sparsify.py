@@ -155,6 +155,17 @@ def _emit_int8_values(gm, graph, entry, x2d: fx.Node, prefix: str, device) -> fx
     return graph.call_function(operator.mul, (graph.call_function(fn, (g,), kwargs), u))
 
 
+def _emit_int8_selection(gm, graph, block: MLPBlock, entry, x2d: fx.Node, prefix: str, device):
+    """For values "predictor" entries off the fused op: the int8 predictor's signed values (B, F)
+    and the ids of the k largest in magnitude (B, k), the values node tagged as the predictor."""
+    estimate = _emit_int8_values(gm, graph, entry, x2d, prefix, device)
+    estimate.meta["dejavu"] = {"role": "predictor", "layer": block.layer, "kind": "mlp",
+                               "reads": block.nodes["input"].name, "lookahead": False}
+    top = graph.call_function(torch.topk, (graph.call_function(torch.abs, (estimate,)), entry.k),
+                              {"dim": -1, "sorted": False})
+    return estimate, graph.call_function(operator.getitem, (top, 1))
+
+
 def _predictor_values(block: MLPBlock, entry, fallbacks) -> bool:
     """Whether the block takes its kept neurons' values from the int8 predictor (entry.values ==
     "predictor"). The int8 rows hold no biases: a block with gate or up biases keeps exact values,
@@ -281,8 +292,7 @@ def _insert_selection(gm, graph, block, entry, ordered, values, opts=None):
     device = _value_device(values, weight_node)
     source = _previous_input(block, ordered) if entry.lookahead else x
     prefix = f"dejavu_L{block.layer}_{block.kind}"
-    fused = (entry.nonlinearity == "glu_int8" and opts is not None and dtype == torch.float32
-             and _cpu_lowering(opts, weight_value) == "native")
+    fused = entry.nonlinearity == "glu_int8" and opts is not None and _cpu_lowering(opts, weight_value) == "native"
     with graph.inserting_before(source.next):
         flat_source = graph.call_method("reshape", (source, -1, shape_of(source)[-1]))
         if fused:
@@ -326,13 +336,8 @@ def _simulate(gm, match, plan, report, example_inputs, opts) -> fx.GraphModule:
             x = block.nodes["input"]
             with graph.inserting_before(hidden.next):
                 x2d = graph.call_method("reshape", (x, -1, shape_of(x)[-1]))
-                estimate = _emit_int8_values(gm, graph, entry, x2d, f"dejavu_L{block.layer}_mlp",
-                                             _value_device(values, block.up.node))
-                estimate.meta["dejavu"] = {"role": "predictor", "layer": block.layer, "kind": "mlp",
-                                           "reads": x.name, "lookahead": False}
-                top = graph.call_function(torch.topk, (graph.call_function(torch.abs, (estimate,)), entry.k),
-                                          {"dim": -1, "sorted": False})
-                idx = graph.call_function(operator.getitem, (top, 1))
+                estimate, idx = _emit_int8_selection(gm, graph, block, entry, x2d, f"dejavu_L{block.layer}_mlp",
+                                                     _value_device(values, block.up.node))
         else:
             idx, _ = _insert_selection(gm, graph, block, entry, ordered, values, opts)
         with graph.inserting_before(idx.next if from_predictor else hidden.next):  # after idx and hidden
@@ -499,13 +504,10 @@ def _replace_block(graph, block: MLPBlock, out: fx.Node) -> None:
     """The block's output becomes `out` ((tokens, d), reshaped to the input's leading dims); the
     dense block's nodes go."""
     x = block.nodes["input"]
-    with graph.inserting_after(out):
+    with graph.inserting_before(out.next):
         size = graph.call_method("size", (x,))
-    with graph.inserting_after(size):
         lead = graph.call_function(operator.getitem, (size, slice(None, -1)))
-    with graph.inserting_after(lead):
         shape = graph.call_function(operator.add, (lead, (block.hidden_size,)))
-    with graph.inserting_after(shape):
         shaped = graph.call_method("reshape", (out, shape))
     block.nodes["output"].replace_all_uses_with(shaped)
     _erase_unused(graph, _mlp_region_nodes(block))
@@ -521,27 +523,22 @@ def _rewrite_mlp_from_predictor(gm, graph, block: MLPBlock, entry, values, repor
     prefix = f"dejavu_L{block.layer}_mlp"
     down_value = values.get(block.down.node)
     device = _value_device(values, block.down.node)
-    fp32 = down_value is None or down_value.dtype == torch.float32
     with graph.inserting_before(block.nodes["down"]):
         x2d = graph.call_method("reshape", (x, -1, shape_of(x)[-1]))
         w_down_t = _transposed_weight(gm, graph, block.down, down_value, f"{prefix}_w_down_t", report,
                                       f"layer {block.layer} mlp: down")
         b_down = block.down.bias_node
-        if fp32 and _cpu_lowering(opts, down_value) == "native":
+        if _cpu_lowering(opts, down_value) == "native":  # fp32 on CPU with the C++ ops
             q, scale = _int8_consts(gm, graph, entry, prefix, device)
             both = graph.call_function(torch.ops.dejavu.cpu_glu_int8_mlp.default,
                                        (x2d, q, scale, w_down_t, entry.k, _activation_name(entry.activation), b_down))
+            both.meta["dejavu"] = {"role": "predictor", "layer": block.layer, "kind": "mlp", "reads": x.name,
+                                   "lookahead": False}
             out = graph.call_function(operator.getitem, (both, 0))
-            predictor = both
         else:
-            estimate = predictor = _emit_int8_values(gm, graph, entry, x2d, prefix, device)
-            top = graph.call_function(torch.topk, (graph.call_function(torch.abs, (estimate,)), entry.k),
-                                      {"dim": -1, "sorted": False})
-            idx = graph.call_function(operator.getitem, (top, 1))
+            estimate, idx = _emit_int8_selection(gm, graph, block, entry, x2d, prefix, device)
             kept = graph.call_function(torch.gather, (estimate, -1, idx))
             out = _weighted_row_sum(graph, idx, kept, entry.k, w_down_t, b_down)
-        predictor.meta["dejavu"] = {"role": "predictor", "layer": block.layer, "kind": "mlp", "reads": x.name,
-                                    "lookahead": False}
         out.meta["dejavu"] = {"role": "sparse_mlp", "layer": block.layer, "k": entry.k}
     _replace_block(graph, block, out)
     report.rewritten.append(f"layer {block.layer} mlp: {entry.k}/{entry.total} neurons, values from the int8 "
