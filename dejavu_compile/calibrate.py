@@ -24,8 +24,8 @@ from dejavu_compile.collect import collect
 # Recommended operating point, measured with benchmarks/decode.py on SmolLM2-135M (held-out
 # Wikipedia / news, 2 CPU cores, fp32): for gated MLPs on CPU the int8 predictor (the block's own
 # gate/up weights in int8: near-oracle selection) with the kept neurons' values taken from it (only
-# their down rows are read) at 60% MLP density: +1.1% / +2.1% perplexity, decode at 1.30-1.38x dense
-# Inductor with the backend's C++ ops (70%: +0.7% / +0.9%, 1.22-1.32x). With exact values the same
+# their down rows are read) at 60% MLP density: +1.1% / +2.1% perplexity, decode at 1.30-1.37x dense
+# Inductor with the backend's C++ ops (70%: +0.7% / +0.9%, 1.22-1.30x). With exact values the same
 # selection also reads the kept gate/up rows and only matches dense speed (0.92-1.00x).
 # The low-rank lookahead predictor is far from the oracle on this SwiGLU model: within the <= +3%
 # budget it stays barely sparse (0.98 -> one sparse layer, +1.9% / +2.4%, 0.95-0.98x). Off the CPU,
