@@ -15,7 +15,7 @@ def _default_plan_dir():
     from dejavu_compile.models import cache_dir
 
     # Versioned: a plan cached by an older default calibration is not silently reused.
-    return cache_dir() / "plans" / "smollm2-default-v4"
+    return cache_dir() / "plans" / "smollm2-default-v5"
 
 
 def load_or_calibrate(model, tokenizer, plan_dir, recalibrate: bool = False, **calibrate_kwargs):

@@ -14,6 +14,12 @@ Predictor kinds (entry.nonlinearity):
                       with scales a: (2 total,); scores = |act(g~) * u~| with [g~, u~] = (x A^T) * a.
                       Near-oracle selection for gated MLPs at 1/6 of an fp32 block's bytes. Reads the
                       block's own input (no lookahead).
+    "glu_int4":       A: (2 total, d/2) uint8, gate rows then up rows in 4 bits (two codes a byte, low
+                      nibble first, code + 8), scales a: (2 total, d/32) fp16 (one per 32 columns),
+                      optional biases b: (2 total,); [g~, u~] = x dequant(A)^T + b, scores = |act(g~) * u~|.
+                      The learned predictor for gated MLPs: fitted to the calibration activations
+                      (predictors.fit_int4_glu_predictor), 1/11 of an fp32 block's bytes. With
+                      lookahead it reads the attention block's input (and has the biases).
     "dense":          no predictor (k == total).
 
 Values of the kept neurons (entry.values):
@@ -37,7 +43,8 @@ import torch.nn.functional as F
 
 FORMAT_VERSION = 1
 KINDS = ("mlp", "attention")
-NONLINEARITIES = ("none", "relu", "glu", "glu_int8", "dense")
+NONLINEARITIES = ("none", "relu", "glu", "glu_int8", "glu_int4", "dense")
+QUANTIZED = ("glu_int8", "glu_int4")  # tensors read as stored, not cast to the model dtype
 VALUES = ("exact", "predictor")
 _ACTS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu, "gelu_pytorch_tanh": lambda t: F.gelu(t, approximate="tanh")}
 
@@ -76,6 +83,12 @@ class PlanEntry:
             t = {"A": self.A.to(x.device), "a": self.a.to(x.device, torch.float32)}
             flat = x.reshape(-1, x.shape[-1])
             return int8_glu_scores(flat, t, _ACTS.get(self.activation, F.silu)).view(*x.shape[:-1], -1)
+        if self.nonlinearity == "glu_int4":
+            from dejavu_compile.predictors import int4_glu_scores
+
+            t = {n: v.to(x.device) for n, v in self.tensors().items()}
+            flat = x.reshape(-1, x.shape[-1])
+            return int4_glu_scores(flat, t, _ACTS.get(self.activation, F.silu)).view(*x.shape[:-1], -1)
         A = self.A.to(x.device, x.dtype if x.dtype.is_floating_point else torch.float32)
         h = x.to(A.dtype) @ A
         if self.a is not None:
@@ -106,6 +119,8 @@ class PlanEntry:
         """Multiply-adds x2 per token of the predictor."""
         if self.A is None:
             return 0
+        if self.nonlinearity == "glu_int4":
+            return 2 * 2 * self.A.numel()  # two codes a byte
         return 2 * sum(t.numel() for t in (self.A, self.B) if t is not None)
 
     def predictor_bytes(self) -> int:
@@ -114,16 +129,16 @@ class PlanEntry:
 
     def read_bytes(self, element_size: int) -> int:
         """Bytes the predictor reads per token in a model whose weights take `element_size` bytes."""
-        return predictor_read_bytes(self.tensors().values(), self.nonlinearity == "glu_int8", element_size)
+        return predictor_read_bytes(self.tensors().values(), self.nonlinearity in QUANTIZED, element_size)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {n: t.contiguous() for n, t in (("A", self.A), ("B", self.B), ("a", self.a), ("b", self.b)) if t is not None}
 
 
-def predictor_read_bytes(tensors, int8: bool, element_size: int) -> int:
-    """Bytes a predictor reads per token: an int8 predictor's tensors as stored, any other
-    predictor's in the model's dtype (the backend casts them to it)."""
-    if int8:
+def predictor_read_bytes(tensors, quantized: bool, element_size: int) -> int:
+    """Bytes a predictor reads per token: a quantized (int8, int4) predictor's tensors as stored,
+    any other predictor's in the model's dtype (the backend casts them to it)."""
+    if quantized:
         return sum(t.numel() * t.element_size() for t in tensors)
     return sum(t.numel() for t in tensors) * element_size
 
@@ -232,7 +247,8 @@ class SparsityPlan:
         tensors, records = {}, []
         for (layer, kind), e in sorted(self.entries.items()):
             for n, t in e.tensors().items():
-                tensors[f"{layer}.{kind}.{n}"] = (t.detach() if t.dtype == torch.int8 else t.detach().float()).cpu().contiguous()
+                stored = t.detach() if e.nonlinearity in QUANTIZED else t.detach().float()  # codes and scales as they are
+                tensors[f"{layer}.{kind}.{n}"] = stored.cpu().contiguous()
             records.append(
                 {"layer": layer, "kind": kind, "k": e.k, "total": e.total, "nonlinearity": e.nonlinearity,
                  "activation": e.activation, "lookahead": e.lookahead, "values": e.values,
@@ -322,6 +338,16 @@ def _validate_entry(e: PlanEntry) -> None:
                 or e.a is None or tuple(e.a.shape) != (2 * e.total,)):
             raise ValueError(f"plan entry layer {e.layer} {e.kind}: int8 predictor needs A int8 (2*{e.total}, d) "
                              f"and scales a ({2 * e.total},), got A {e.A.dtype} {tuple(e.A.shape)}")
+        return
+    if e.nonlinearity == "glu_int4":
+        rows = 2 * e.total
+        ok = (e.A.dtype == torch.uint8 and e.A.dim() == 2 and e.A.shape[0] == rows and e.a is not None
+              and e.a.dim() == 2 and e.a.shape[0] == rows and e.a.shape[1] > 0
+              and (2 * e.A.shape[1]) % e.a.shape[1] == 0 and (e.b is None or tuple(e.b.shape) == (rows,)))
+        if not ok:
+            raise ValueError(f"plan entry layer {e.layer} {e.kind}: int4 predictor needs A uint8 ({rows}, d/2), "
+                             f"scales a ({rows}, groups) and optional biases b ({rows},), got A {e.A.dtype} "
+                             f"{tuple(e.A.shape)}, a {None if e.a is None else tuple(e.a.shape)}")
         return
     if e.B is None or e.A.dim() != 2 or e.B.dim() != 2 or e.A.shape[1] != e.B.shape[0] or e.B.shape[1] != e.total:
         raise ValueError(

@@ -306,3 +306,103 @@ def int8_glu_scores(x: torch.Tensor, t: dict[str, torch.Tensor], activation=F.si
     h = int8_linear(x.float(), t["A"], t["a"])
     n = t["A"].shape[0] // 2
     return (activation(h[:, :n]) * h[:, n:]).abs()
+
+
+# --------------------------------------------------------------------------------------------------
+# Learned 4-bit gated-MLP predictor ("glu_int4"), fitted on the calibration activations
+
+INT4_GROUP = 32  # input columns that share one scale
+
+
+@torch.no_grad()
+def fit_int4_glu_predictor(
+    x_in: torch.Tensor,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor,
+    x_block: torch.Tensor | None = None,
+    group: int = INT4_GROUP,
+    damp: float = 0.01,
+    ridge: float = 1e-3,
+) -> dict[str, torch.Tensor]:
+    """A 4-bit copy of the gate and up projections, as seen from `x_in`, fitted to the calibration
+    activations.
+
+    The low-rank maps of `fit_glu_predictor` need about the block's own bytes to rank SwiGLU
+    neurons well (benchmarks/predictor_rank.py); keeping every input direction at 4 bits costs an
+    eighth. Rounding each weight to its nearest 4-bit value ignores which input directions the
+    text uses; here the rows are fitted to the collected inputs X instead: each weight column is
+    rounded in turn and its rounding error, weighted by the inputs' second moments H = X^T X / N,
+    is pushed onto the columns not yet rounded (GPTQ's error feedback, Frantar et al. 2022), which
+    minimises the error of the pre-activations (W - Q) x on this text rather than of the weights.
+    Symmetric 4-bit codes in [-7, 7], one fp16 scale per row and `group` input columns.
+
+    With lookahead (`x_block` given: the block's own inputs, `x_in` another block's), the rows first become the least-squares map
+    from [x_in, 1] to the block's pre-activations: W' = W S^T, bias b = W s (S, s fitted by ridge
+    regression of `x_block` on `x_in`), and W' is fitted as above.
+
+    Returns {"A": (2F, d/2) uint8 packed codes, "a": (2F, d/group) fp16 scales} (gate rows first),
+    plus "b": (2F,) fp32 biases with lookahead.
+    """
+    n, d = x_in.shape
+    if d % group or d % 2:
+        raise ValueError(f"the int4 predictor needs the block width ({d}) to be a multiple of its group ({group})")
+    x = x_in.double()
+    weights = torch.cat([gate_weight, up_weight]).detach().double()
+    bias = None
+    if x_block is not None:
+        xa = torch.cat([x, torch.ones(n, 1, dtype=torch.float64)], 1)
+        C = xa.T @ xa
+        C += ridge * C.diagonal()[:d].mean() * torch.eye(d + 1, dtype=torch.float64)
+        with _one_thread():
+            sol = torch.linalg.solve(C, xa.T @ x_block.double())  # [x_in, 1] -> x_block
+        bias = (weights @ sol[d]).float()
+        weights = weights @ sol[:d].T
+    H = x.T @ x / n
+    H += damp * H.diagonal().mean() * torch.eye(d, dtype=torch.float64)
+    with _one_thread():
+        U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    codes = torch.empty(weights.shape, dtype=torch.int8)
+    scales = torch.empty(weights.shape[0], d // group, dtype=torch.float16)
+    W = weights.clone()
+    for col in range(d):
+        if col % group == 0:  # the group's scale from its columns as they stand after earlier feedback
+            s = (W[:, col:col + group].abs().amax(1) / 7).clamp_min(1e-8).half()
+            scales[:, col // group] = s
+            scale = s.double()
+        q = (W[:, col] / scale).round().clamp(-7, 7)
+        codes[:, col] = q.to(torch.int8)
+        err = (W[:, col] - q * scale) / U[col, col]
+        W[:, col + 1:] -= err[:, None] * U[col, col + 1:][None, :]
+    out = {"A": pack_int4(codes), "a": scales}
+    if bias is not None:
+        out["b"] = bias
+    return out
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """(R, d) int8 codes in [-8, 7] -> (R, d/2) uint8: column 2j in the low nibble, 2j+1 in the high, + 8."""
+    u = (codes.to(torch.int16) + 8).to(torch.uint8)
+    return u[:, 0::2] | (u[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: (R, d/2) uint8 -> (R, d) int8 codes."""
+    low, high = packed & 15, packed >> 4
+    return (torch.stack([low, high], -1).reshape(packed.shape[0], -1).to(torch.int8) - 8)
+
+
+def dequantize_int4(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(2F, d) fp32 rows of a "glu_int4" predictor."""
+    codes = unpack_int4(t["A"]).float()
+    rows, d = codes.shape
+    scales = t["a"].float()
+    return (codes.view(rows, scales.shape[1], -1) * scales[:, :, None]).view(rows, d)
+
+
+def int4_glu_scores(x: torch.Tensor, t: dict[str, torch.Tensor], activation=F.silu) -> torch.Tensor:
+    """(N, d) -> (N, F) |act(g~) * u~| of a "glu_int4" predictor."""
+    h = x.float() @ dequantize_int4(t).T
+    if t.get("b") is not None:
+        h = h + t["b"].float()
+    n = h.shape[-1] // 2
+    return (activation(h[..., :n]) * h[..., n:]).abs()

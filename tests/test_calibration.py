@@ -187,6 +187,33 @@ def test_budget_allocation_prefers_cheap_layers():
         budget.allocate(curves, totals, 0.0)
 
 
+def test_uniform_k_is_the_nearest_grid_point():
+    assert budget.uniform(1536, 0.6, 32) == 928 and budget.uniform(1536, 0.5, 32) == 768
+    assert budget.uniform(100, 0.333) == 33 and budget.uniform(100, 1.0) == 100
+    assert budget.uniform(1536, 0.001, 32) == 32 and budget.uniform(16, 0.5, 32) == 16  # one step, at most total
+    with pytest.raises(ValueError):
+        budget.uniform(100, 0.0)
+
+
+def test_allocation_is_uniform_for_the_quantized_predictors_and_greedy_for_lowrank():
+    """allocation="auto": every layer keeps the same k with the int8 predictor; the low-rank
+    predictor's budget follows its per-layer curves; an explicit choice overrides; a bad one is an error."""
+    model = tiny_llama(planted=False)
+    samples, _ = collect(model, batches(), progress=False)
+    plan = calibrate(model, None, samples=samples, mlp_density=0.5, predictor="int8", progress=False,
+                     dense_when_unprofitable=False)
+    assert plan.settings["allocation"] == "uniform"
+    assert {plan.entry(l, "mlp").k for l in range(L)} == {budget.uniform(FF, 0.5)}
+    lowrank = calibrate(model, None, samples=samples, mlp_density=0.5, predictor="lowrank", rank=4, progress=False,
+                        dense_when_unprofitable=False)
+    assert lowrank.settings["allocation"] == "greedy"
+    greedy = calibrate(model, None, samples=samples, mlp_density=0.5, predictor="int8", allocation="greedy",
+                       progress=False, dense_when_unprofitable=False)
+    assert greedy.settings["allocation"] == "greedy" and abs(greedy.mlp_density - 0.5) < 0.05
+    with pytest.raises(ValueError, match="allocation"):
+        calibrate(model, None, samples=samples, allocation="even", progress=False)
+
+
 def test_int8_predictor_selects_nearly_the_oracle_set():
     """The int8 copy of gate/up ranks neurons almost exactly as the true |act(g)*u| does, on a
     model without any planted structure (where a low-rank predictor is near random)."""

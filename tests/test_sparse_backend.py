@@ -267,21 +267,62 @@ def test_int8_predictor_decode_matches_masked_reference(batch):
     elsewhere) selects what the plan's own scores select. F=320 at 40%: k=128, so the CPU lowering
     splits the down projection's row sum into 4 bags."""
     model = tiny_model("llama", intermediate=320)
-    plan = _int8_plan(model, 0.4)
-    ids = _ids(batch, 1)
+    for options, graph, predictors in _graphs_matching_masked_reference(model, _int8_plan(model, 0.4), _ids(batch, 1)):
+        assert predictors and not any(n.meta["dejavu"]["lookahead"] for n in predictors)
+        # on CPU fp32 with the C++ ops: scoring and top-k in one call, in the simulation too
+        fused = all(n.target is torch.ops.dejavu.cpu_glu_int8_topk.default for n in predictors)
+        assert fused == native.load_ops(), options
+
+
+def _graphs_matching_masked_reference(model, plan, ids) -> list:
+    """Decode `ids` under `plan` with eager, Inductor and the masked simulation; each must give the
+    masked reference's logits, which must differ from dense. Returns (options, graph, predictor
+    nodes) of each, for the caller's checks on what the graph holds."""
     expected = _masked_reference_llama(model, plan, ids)
+    out = []
     with torch.no_grad():
         dense = model(ids, use_cache=False).logits
         for options in ({"inner": "eager"}, {"inner": "inductor"}, {"simulate": True, "inner": "eager"}):
             got, report = _sparse_logits(model, plan, ids, options)
             assert describe_difference("logits", got, expected, rtol=1e-4, atol=1e-4) is None, options
             graph = report.graph.graph
-            predictors = [n for n in graph.nodes if n.meta.get("dejavu", {}).get("role") == "predictor"]
-            assert predictors and not any(n.meta["dejavu"]["lookahead"] for n in predictors)
-            # on CPU fp32 with the C++ ops: scoring and top-k in one call, in the simulation too
-            fused = all(n.target is torch.ops.dejavu.cpu_glu_int8_topk.default for n in predictors)
-            assert fused == native.load_ops(), options
-    assert (dense - expected).abs().max() > 1e-3
+            out.append((options, graph, [n for n in graph.nodes if n.meta.get("dejavu", {}).get("role") == "predictor"]))
+    assert (dense - expected).abs().max() > 1e-3  # the plan really removed something
+    return out
+
+
+def _int4_plan(model, density, lookahead):
+    """The learned int4 predictor fitted to random block inputs (with lookahead, to "attention
+    inputs" from which the block inputs are a noisy linear map, so the fitted rows and biases matter)."""
+    from dejavu_compile.predictors import fit_int4_glu_predictor
+
+    gen = torch.Generator().manual_seed(0)
+    d = model.config.hidden_size
+    entries = {}
+    for layer, block in enumerate(model.model.layers):
+        mlp = block.mlp
+        x_in = torch.randn(512, d, generator=gen)
+        x_block = (x_in @ torch.randn(d, d, generator=gen) / d ** 0.5 + 0.1 * torch.randn(512, d, generator=gen)
+                   + 0.5 if lookahead else None)
+        t = fit_int4_glu_predictor(x_in, mlp.gate_proj.weight, mlp.up_proj.weight, x_block=x_block)
+        total = mlp.gate_proj.weight.shape[0]
+        entries[(layer, "mlp")] = PlanEntry(layer, "mlp", max(1, round(total * density)), total, t["A"], None,
+                                            t["a"], t.get("b"), "glu_int4", "silu", lookahead=lookahead)
+    return SparsityPlan(entries, model_fingerprint(model))
+
+
+@pytest.mark.parametrize("batch, lookahead", [(1, False), (3, True)])
+def test_int4_predictor_decode_matches_masked_reference(batch, lookahead):
+    """The learned int4 predictor in the graph (codes unpacked and scaled by aten ops, then a
+    matmul) selects what the plan's own scores select, with and without lookahead; the packed
+    codes, not fp32 rows, are what the graph holds."""
+    model = tiny_model("llama", intermediate=320)
+    plan = _int4_plan(model, 0.4, lookahead)
+    assert (plan.entry(0, "mlp").b is not None) == lookahead
+    for options, graph, predictors in _graphs_matching_masked_reference(model, plan, _ids(batch, 1)):
+        assert len(predictors) == 2 and all(n.meta["dejavu"]["lookahead"] == lookahead for n in predictors)
+        consts = [n for n in graph.nodes if n.op == "placeholder" and n.name.endswith("_a_int4")]
+        assert len(consts) == 2 and all(n.meta["val"].dtype == torch.uint8 for n in consts), options
 
 
 def test_simulation_is_per_token_on_prefill():

@@ -53,12 +53,13 @@ def check_plan_against_blocks(plan, blocks) -> None:
                             f" model has {total}")
         if entry.A is not None:
             width = block.hidden_size if isinstance(block, MLPBlock) else (shape_of(block.nodes.get("input")) or [None])[-1]
-            reads = entry.A.shape[1] if entry.nonlinearity == "glu_int8" else entry.A.shape[0]
+            reads = {"glu_int8": entry.A.shape[1], "glu_int4": 2 * entry.A.shape[1]}.get(entry.nonlinearity,
+                                                                                          entry.A.shape[0])
             if width is not None and reads != width:
                 problems.append(f"layer {layer} {kind}: predictor reads {reads} features, "
                                 f"the block input has {width}")
-        if entry.nonlinearity == "glu_int8" and isinstance(block, MLPBlock) and not block.gated:
-            problems.append(f"layer {layer} mlp: int8 gate/up predictor but the block has no gate")
+        if entry.nonlinearity in ("glu_int8", "glu_int4") and isinstance(block, MLPBlock) and not block.gated:
+            problems.append(f"layer {layer} mlp: quantized gate/up predictor but the block has no gate")
         if entry.values == "predictor" and not entry.dense and entry.nonlinearity != "glu_int8":
             problems.append(f"layer {layer} {kind}: values 'predictor' needs the int8 gate/up predictor, "
                             f"the entry has {entry.nonlinearity!r}")
@@ -116,6 +117,8 @@ def _emit_predictor(gm, graph, entry, x2d: fx.Node, prefix: str, dtype, device) 
 
     if entry.nonlinearity == "glu_int8":
         return graph.call_function(torch.abs, (_emit_int8_values(gm, graph, entry, x2d, prefix, device),))
+    if entry.nonlinearity == "glu_int4":
+        return graph.call_function(torch.abs, (_emit_int4_values(gm, graph, entry, x2d, prefix, dtype, device),))
 
     h = graph.call_function(torch.matmul, (x2d, const("A", entry.A)))
     if entry.a is not None:
@@ -149,6 +152,30 @@ def _emit_int8_values(gm, graph, entry, x2d: fx.Node, prefix: str, device) -> fx
     neurons' values when the entry's values are "predictor"."""
     q, scale = _int8_consts(gm, graph, entry, prefix, device)
     h = graph.call_function(torch.ops.dejavu.int8_linear.default, (x2d, q, scale))
+    g = graph.call_function(operator.getitem, (h, (Ellipsis, slice(0, entry.total))))
+    u = graph.call_function(operator.getitem, (h, (Ellipsis, slice(entry.total, None))))
+    fn, kwargs = _ACT_FN[_activation_name(entry.activation)]
+    return graph.call_function(operator.mul, (graph.call_function(fn, (g,), kwargs), u))
+
+
+def _emit_int4_values(gm, graph, entry, x2d: fx.Node, prefix: str, dtype, device) -> fx.Node:
+    """(B, F) act(g~) * u~ of a "glu_int4" entry: its 4-bit codes unpacked and scaled to (2F, d) rows
+    in the model's dtype, then one matmul. The constants are the packed codes and fp16 scales; the
+    rows are dequantized on every call (no int4 GEMV kernel yet)."""
+    packed = _const(gm, graph, f"{prefix}_A_int4", entry.A.detach().to(device=device).contiguous())
+    scales = _const(gm, graph, f"{prefix}_a", entry.a.detach().to(device=device).contiguous())
+    rows, groups = entry.a.shape
+    low = graph.call_function(torch.bitwise_and, (packed, 15))
+    high = graph.call_function(torch.bitwise_right_shift, (packed, 4))
+    codes = graph.call_function(torch.stack, ([low, high], -1))  # (2F, d/2, 2): column 2j, then 2j + 1
+    codes = graph.call_method("reshape", (codes, rows, groups, -1))
+    centred = graph.call_function(operator.sub, (graph.call_method("to", (codes, dtype)), 8))
+    scale = graph.call_method("unsqueeze", (graph.call_method("to", (scales, dtype)), -1))
+    weight = graph.call_method("reshape", (graph.call_function(operator.mul, (centred, scale)), rows, -1))
+    h = graph.call_function(torch.matmul, (x2d, graph.call_method("t", (weight,))))
+    if entry.b is not None:
+        h = graph.call_function(operator.add, (h, _const(gm, graph, f"{prefix}_b",
+                                                         entry.b.detach().to(device=device, dtype=dtype).contiguous())))
     g = graph.call_function(operator.getitem, (h, (Ellipsis, slice(0, entry.total))))
     u = graph.call_function(operator.getitem, (h, (Ellipsis, slice(entry.total, None))))
     fn, kwargs = _ACT_FN[_activation_name(entry.activation)]
