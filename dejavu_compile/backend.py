@@ -120,13 +120,24 @@ def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
 def _compile_inner(gm: fx.GraphModule, example_inputs, options: dict, mode: str | None):
     extra = gm.meta.get("dejavu_extra_inputs")
     if extra:  # tensors a pass added (predictor weights) follow the inputs Dynamo passes
-        compiled = _compile_inner_plain(gm, [*example_inputs, *extra], options, mode)
+        compiled = _compile_inner_plain(gm, [*example_inputs, *_static_examples(extra)], options, mode)
 
         def run_with_extra_inputs(*args):
             return compiled(*args, *extra)
 
         return run_with_extra_inputs
     return _compile_inner_plain(gm, example_inputs, options, mode)
+
+
+def _static_examples(tensors) -> list:
+    """The added tensors as fake tensors of fixed shape in Dynamo's fake mode. Handed over as real
+    tensors, AOTAutograd fakeifies them with symbolic sizes when the graph is dynamic, and a guard
+    Inductor then needs on those sizes (e.g. reshaping the int4 predictor's codes) has no source
+    in user code: Dynamo fails building the guards (IndexError in produce_guards)."""
+    fake_mode = torch._guards.detect_fake_mode()
+    if fake_mode is None:
+        return list(tensors)
+    return [fake_mode.from_tensor(t, static_shapes=True) for t in tensors]
 
 
 def _compile_inner_plain(gm: fx.GraphModule, example_inputs, options: dict, mode: str | None):

@@ -450,3 +450,23 @@ def test_report_counts_the_memory_the_graph_adds():
     head_tables = 2 * 4 * 16 * 8  # per layer: (heads, head_dim) int64 query-row ids
     assert after == predictors + head_tables
     assert before == after + copies
+
+
+def test_added_inputs_reach_inductor_as_fixed_shape_fakes():
+    """Predictor tensors a pass adds go to Inductor as fake tensors of fixed shape in Dynamo's fake
+    mode: as real tensors AOTAutograd gave them symbolic sizes in dynamic graphs, and Inductor's
+    guards on those sizes (reshaping the int4 codes) broke Dynamo's guard building on SmolLM2
+    (IndexError in produce_guards; a tiny model did not reproduce it). Outside tracing: unchanged."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from dejavu_compile.backend import _static_examples
+
+    codes = torch.zeros(6, 16, dtype=torch.uint8)
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    with tracing(TracingContext(mode)):
+        (fake,) = _static_examples([codes])
+    assert isinstance(fake, FakeTensor) and fake.fake_mode is mode
+    assert fake.dtype == torch.uint8 and all(type(size) is int for size in fake.shape) and fake.shape == codes.shape
+    assert _static_examples([codes])[0] is codes
