@@ -44,9 +44,10 @@ def synthetic_plan(model, density: float, rank: int, seed: int = 0, attn_density
 
 # --predictors: how each plan is calibrated. "int8" is the default plan's method (values from the
 # int8 predictor: only the kept down rows are read); "int8-exact" selects the same neurons but
-# computes their values from the fp32 gate/up rows.
+# computes their values from the fp32 gate/up rows; "int4" is the learned 4-bit predictor (exact values,
+# scored by aten ops that dequantize its rows each step: no int4 kernel yet).
 PREDICTORS = {"lowrank": {"predictor": "lowrank"}, "int8": {"predictor": "int8", "values": "predictor"},
-              "int8-exact": {"predictor": "int8", "values": "exact"}}
+              "int8-exact": {"predictor": "int8", "values": "exact"}, "int4": {"predictor": "int4"}}
 
 
 def synthetic_int8_plan(model, density: float):
@@ -227,7 +228,8 @@ def main(argv=None) -> int:
     ap.add_argument("--densities", type=float, nargs="+", default=[0.5, 0.6, 0.7, 0.8, 0.98])
     ap.add_argument("--predictors", nargs="+", default=list(PREDICTORS), choices=list(PREDICTORS),
                     help="int8: the default plan (kept neurons' values from the int8 predictor); int8-exact: the same "
-                         "selection, values from the fp32 weights; lowrank: Deja Vu's low-rank lookahead predictor")
+                         "selection, values from the fp32 weights; int4: the learned 4-bit predictor (exact values); "
+                         "lowrank: Deja Vu's low-rank lookahead predictor")
     ap.add_argument("--attn-density", type=float, default=1.0,
                     help="share of query heads kept (head predictors trained by calibration; 1.0: attention dense)")
     ap.add_argument("--cpu-lowering", nargs="+", default=["auto"], choices=["auto", "native", "op", "decomposed"],

@@ -7,7 +7,9 @@ The int8 predictor (``calibrate(..., predictor="int8")``) scores neurons with th
 and up weights quantized per row. On SmolLM2 its bytes are what keeps a sparse CPU decode step near
 dense speed (1.8 MB a layer against 6.4 MB of rows at 60% density), so fewer bits would pay if the
 selection held. Recall = share of the oracle's top-k (by |act(gate) * up|) that the predictor keeps,
-averaged over layers and tokens (512 tokens of calibration-split Wikipedia).
+averaged over layers and tokens (512 tokens of calibration-split Wikipedia). The last row is the
+learned int4 predictor (``calibrate(..., predictor="int4")``): 4 bits, groups of 32, fitted with
+``fit_int4_glu_predictor`` to the inputs of another 1,024 calibration tokens (not those scored).
 """
 from __future__ import annotations
 
@@ -33,21 +35,24 @@ def main(argv=None) -> int:
     torch.set_num_threads(2)
     from dejavu_compile.data import wiki_articles
     from dejavu_compile.models import load_smollm2
-    from dejavu_compile.predictors import recall
+    from dejavu_compile.predictors import dequantize_int4, fit_int4_glu_predictor, recall
 
     model, tok = load_smollm2()
-    ids = tok("\n\n".join(wiki_articles("calibration")[:8]), return_tensors="pt").input_ids[:, :args.tokens]
-    inputs = {}
-    hooks = [layer.mlp.register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0][0]))
-             for i, layer in enumerate(model.model.layers)]
-    with torch.no_grad():
-        model(ids)
-    for h in hooks:
-        h.remove()
+    text = tok("\n\n".join(wiki_articles("calibration")[:16]), return_tensors="pt").input_ids
+    ids, fit_ids = text[:, :args.tokens], text[:, args.tokens:args.tokens + 1024]
+    inputs, fit_inputs = {}, {}
+    for store, batch in ((inputs, ids), (fit_inputs, fit_ids)):
+        hooks = [layer.mlp.register_forward_pre_hook(lambda m, a, i=i, store=store: store.__setitem__(i, a[0][0]))
+                 for i, layer in enumerate(model.model.layers)]
+        with torch.no_grad():
+            model(batch)
+        for h in hooks:
+            h.remove()
     formats = {"int8": (8, None), "int6": (6, None), "int5": (5, None), "int4": (4, None),
-               "int4, groups of 64": (4, 64), "int4, groups of 32": (4, 32)}
+               "int4, groups of 64": (4, 64), "int4, groups of 32": (4, 32), "int4, groups of 32, fitted": (4, "fit")}
     print(f"recall of the top-k against the oracle, SmolLM2-135M, {ids.shape[1]} tokens, mean over 30 layers")
-    print(f"{'weights':<20}" + "".join(f"{'density ' + str(d):>14}" for d in args.densities))
+    fitted = {}
+    print(f"{'weights':<28}" + "".join(f"{'density ' + str(d):>14}" for d in args.densities))
     with torch.no_grad():
         for name, (bits, group) in formats.items():
             cells = []
@@ -56,10 +61,16 @@ def main(argv=None) -> int:
                 for i, layer in enumerate(model.model.layers):
                     x, wg, wu = inputs[i], layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight
                     importance = (F.silu(x @ wg.T) * (x @ wu.T)).abs()
-                    scores = (F.silu(x @ quantize(wg, bits, group).T) * (x @ quantize(wu, bits, group).T)).abs()
+                    if group == "fit":
+                        if i not in fitted:
+                            fitted[i] = dequantize_int4(fit_int4_glu_predictor(fit_inputs[i], wg, wu))
+                        qg, qu = fitted[i][:wg.shape[0]], fitted[i][wg.shape[0]:]
+                    else:
+                        qg, qu = quantize(wg, bits, group), quantize(wu, bits, group)
+                    scores = (F.silu(x @ qg.T) * (x @ qu.T)).abs()
                     values.append(recall(scores, importance, int(density * wg.shape[0])))
                 cells.append(f"{sum(values) / len(values):>14.3f}")
-            print(f"{name:<20}" + "".join(cells))
+            print(f"{name:<28}" + "".join(cells))
     return 0
 
 

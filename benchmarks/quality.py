@@ -2,8 +2,9 @@
 
 All sparse numbers are a *masked dense simulation* (dense model, per-token 0/1 masks applied by
 forward hooks, see dejavu_compile.quality): they measure quality, not speed. Plans whose kept
-neurons take the int8 predictor's values ("int8_values", the default plan) are evaluated through
-the backend's own masked simulation (dejavu_compile.evaluate), which uses those values.
+neurons take the int8 predictor's values ("int8_values", the default plan) and the learned int4
+plans are evaluated through the backend's own masked simulation (dejavu_compile.evaluate), the
+graph the backend compiles with the decode step's predictor and top-k.
 
     python benchmarks/quality.py            # full sweep (~15-25 min on 2 CPU cores)
     python benchmarks/quality.py --quick    # 0.5 density only, fewer tokens
@@ -36,11 +37,15 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--calib-tokens", type=int, default=8192)
     ap.add_argument("--methods", nargs="*",
-                    default=["oracle", "int8_values", "int8", "learned_lookahead", "learned", "cats", "teal"],
+                    default=["oracle", "int8_values", "int8", "int4", "int4_lookahead", "learned_lookahead", "learned",
+                             "cats", "teal"],
                     help="int8_values: the default plan's method (kept neurons' values from the int8 predictor); "
-                         "int8: the same selection with exact values")
+                         "int8: the same selection with exact values; int4(_lookahead): the learned 4-bit predictor; "
+                         "learned(_lookahead): the learned low-rank predictor")
     ap.add_argument("--head-densities", type=float, nargs="*", default=[],
                     help="also sweep attention head density (MLP dense): oracle heads vs learned head predictors")
+    ap.add_argument("--allocation", choices=("auto", "uniform", "greedy"), default="auto",
+                    help="how calibrate() spreads each plan's MLP density over layers (auto: uniform for int8/int4)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--name", default="quality", help="file stem of the JSON and PNG written under --out")
     args = ap.parse_args(argv)
@@ -62,7 +67,8 @@ def main(argv=None) -> int:
     def record(method, density, selector, extra=None, plan=None):
         """selector: masks by forward hooks; plan with predictor values: the backend's simulation."""
         row = {"method": method, "mlp_density": density, **(extra or {})}
-        through_backend = plan is not None and any(e.values == "predictor" for e in plan.entries.values())
+        through_backend = plan is not None and any(e.values == "predictor" or e.nonlinearity == "glu_int4"
+                                                   for e in plan.entries.values())
         for name, chunks in sets.items():
             ppl = backend_perplexity(model, chunks, plan) if through_backend else perplexity(model, chunks, selector)
             row[f"{name}_ppl"] = ppl
@@ -72,11 +78,11 @@ def main(argv=None) -> int:
 
     builders = {}
     for method in args.methods:
-        if method in ("learned", "learned_lookahead", "int8", "int8_values"):
+        if method in ("learned", "learned_lookahead", "int8", "int8_values", "int4", "int4_lookahead"):
             tt = time.time()
-            int8 = method.startswith("int8")
-            builders[method] = calibrate(model, tok, lookahead=method == "learned_lookahead", samples=samples,
-                                         predictor="int8" if int8 else "lowrank",
+            predictor = method.split("_")[0] if method.startswith("int") else "lowrank"
+            builders[method] = calibrate(model, tok, lookahead=method.endswith("_lookahead"), samples=samples,
+                                         predictor=predictor, allocation=args.allocation,
                                          values="predictor" if method == "int8_values" else "exact",
                                          progress=True, return_builder=True)
             print(f"{method}: predictors fitted in {time.time() - tt:.0f} s", flush=True)
@@ -129,13 +135,16 @@ def main(argv=None) -> int:
     # Per-layer recall/mass, with and without lookahead, at 0.5 (or the first density) if calibrated.
     per_layer = []
     ref = 0.5 if 0.5 in densities else densities[0]
-    if ("learned", ref) in plans and ("learned_lookahead", ref) in plans:
-        a, b = plans[("learned", ref)], plans[("learned_lookahead", ref)]
-        print(f"\nper-layer MLP predictor quality at target density {ref} (validation tokens)")
+    for own, ahead in (("learned", "learned_lookahead"), ("int4", "int4_lookahead")):
+        if (own, ref) not in plans or (ahead, ref) not in plans:
+            continue
+        a, b = plans[(own, ref)], plans[(ahead, ref)]
+        print(f"\nper-layer MLP predictor quality, {own}, at target density {ref} (validation tokens)")
         print(" layer   k(own)  recall  mass | k(look) recall  mass | oracle mass")
         for l in range(a.num_layers):
             ea, eb = a.entry(l, "mlp"), b.entry(l, "mlp")
-            per_layer.append({"layer": l, "own": {"k": ea.k, **ea.stats}, "lookahead": {"k": eb.k, **eb.stats}})
+            per_layer.append({"method": own, "layer": l, "own": {"k": ea.k, **ea.stats},
+                              "lookahead": {"k": eb.k, **eb.stats}})
             print(f" {l:5d} {ea.k:7d} {ea.stats['recall']:7.3f} {ea.stats['mass']:5.3f} | {eb.k:7d} "
                   f"{eb.stats['recall']:6.3f} {eb.stats['mass']:5.3f} | {ea.stats['oracle_mass']:.3f}")
 
@@ -165,6 +174,9 @@ def main(argv=None) -> int:
             "learned": "glu low-rank predictor (rank d/4 per projection), k per layer by greedy budget",
             "int8": "the block's own gate/up weights in int8 (per-row scales) as predictor, block's own input, "
                     "k per layer by greedy budget; predictor reads 1/6 of the fp32 block's bytes",
+            "int4": "learned: the block's gate/up in 4 bits (fp16 scale per 32 columns) fitted to the calibration "
+                    "activations with error feedback (fit_int4_glu_predictor), exact values, through the backend's "
+                    "simulation; _lookahead reads the attention input through a fitted linear map",
             "int8_values": "int8's selection, the kept neurons' act(g~)*u~ taken from the int8 predictor "
                            "(the sparse block reads only their down rows); through the backend's simulation",
         },

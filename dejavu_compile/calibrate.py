@@ -25,16 +25,17 @@ from dejavu_compile.collect import collect
 # Recommended operating point, measured with benchmarks/decode.py on SmolLM2-135M (held-out
 # Wikipedia / news, 2 CPU cores, fp32): for gated MLPs on CPU the int8 predictor (the block's own
 # gate/up weights in int8: near-oracle selection) with the kept neurons' values taken from it (only
-# their down rows are read) at 60% MLP density: +1.1% / +2.1% perplexity, decode at 1.30-1.37x dense
-# Inductor with the backend's C++ ops (70%: +0.7% / +0.9%, 1.22-1.30x). With exact values the same
+# their down rows are read) at 60% MLP density in every layer: +0.8% / +1.4% perplexity, decode at
+# 1.32x dense Inductor with the backend's C++ ops (1.30x and 1.37x in two earlier runs whose plans
+# spread the density greedily; 50%: +2.0% / +5.0%, over the news budget). With exact values the same
 # selection also reads the kept gate/up rows and only matches dense speed (0.92-1.00x).
 # The low-rank lookahead predictor is far from the oracle on this SwiGLU model: within the <= +3%
 # budget it stays barely sparse (0.98 -> one sparse layer, +1.9% / +2.4%, 0.95-0.98x). Off the CPU,
 # and for plain MLPs (OPT, GPT-2: no gate to quantize), the default stays the low-rank predictor:
 # the int8 GEMV has no GPU kernel yet (CUDA runs it as a dequantized matmul).
-# The learned int4 predictor (calibrate(predictor="int4"), exact values) selects about as well as the
-# int8 one (50%: +3.1% / +5.7% against the oracle's +2.4% / +5.4%) but has no fast kernel yet: its
-# scores come from aten ops that dequantize, so it is a quality option, not the default.
+# The learned int4 predictor (calibrate(predictor="int4"), exact values) selects nearly as the oracle
+# does (50%: +2.3% / +6.4% against +2.4% / +5.4%; 60%: +1.0% / +4.1%) but has no kernel yet: its scores
+# come from aten ops that dequantize every step (0.5x dense), so it is a quality option.
 DEFAULT_MLP_DENSITY = {"int8": 0.6, "int4": 0.6, "lowrank": 0.98}
 DEFAULT_RANK_FRACTION = 0.25  # predictor rank r = fraction * d (per projection of the "glu" predictor)
 DEFAULT_MAX_TOKENS = 8192
