@@ -63,7 +63,8 @@ def main(argv=None) -> int:
                     importance = (F.silu(x @ wg.T) * (x @ wu.T)).abs()
                     if group == "fit":
                         if i not in fitted:
-                            fitted[i] = dequantize_int4(fit_int4_glu_predictor(fit_inputs[i], wg, wu))
+                            t = fit_int4_glu_predictor(fit_inputs[i], wg, wu)
+                            fitted[i] = dequantize_int4(t["A"], t["a"])
                         qg, qu = fitted[i][:wg.shape[0]], fitted[i][wg.shape[0]:]
                     else:
                         qg, qu = quantize(wg, bits, group), quantize(wu, bits, group)

@@ -37,6 +37,7 @@ from dejavu_compile.collect import collect
 # does (50%: +2.3% / +6.4% against +2.4% / +5.4%; 60%: +1.0% / +4.1%) but has no kernel yet: its scores
 # come from aten ops that dequantize every step (0.5x dense), so it is a quality option.
 DEFAULT_MLP_DENSITY = {"int8": 0.6, "int4": 0.6, "lowrank": 0.98}
+QUANTIZED_PREDICTORS = ("int8", "int4")  # copies of the block's own gate/up rows: gated MLPs only
 DEFAULT_RANK_FRACTION = 0.25  # predictor rank r = fraction * d (per projection of the "glu" predictor)
 DEFAULT_MAX_TOKENS = 8192
 DEFAULT_SEQ_LEN = 256
@@ -182,8 +183,8 @@ def calibrate(
     if mlp_density is None:
         mlp_density = DEFAULT_MLP_DENSITY[predictor]
     if allocation == "auto":
-        allocation = "uniform" if predictor in ("int8", "int4") else "greedy"
-    if predictor in ("int8", "int4") and not all_gated:
+        allocation = "uniform" if predictor in QUANTIZED_PREDICTORS else "greedy"
+    if predictor in QUANTIZED_PREDICTORS and not all_gated:
         raise ValueError(f"predictor={predictor!r} scores gated MLPs (act(gate(x)) * up(x)) with a copy of their "
                          "weights; this model's MLPs are plain (act(up(x))): use predictor='lowrank'")
     d, H = cfg.hidden_size, cfg.num_attention_heads
@@ -241,7 +242,7 @@ def calibrate(
 
     # Bytes a sparse layer reads for its predictor, as a share of the dense block's bytes.
     element_size = next(model.parameters()).element_size()
-    pred_bytes = predictor_read_bytes(preds[(layers[0], "mlp")].values(), predictor in ("int8", "int4"), element_size)
+    pred_bytes = predictor_read_bytes(preds[(layers[0], "mlp")].values(), predictor in QUANTIZED_PREDICTORS, element_size)
     gated = mlp_blocks[layers[0]].gated
     predictor_cost = pred_bytes / ((3 if gated else 2) * d * F_ * element_size)
     row_share = 1 / 3 if values == "predictor" else 1.0  # of the block's bytes a kept neuron reads

@@ -231,6 +231,17 @@ class _one_thread:
         torch.set_num_threads(self.n)
 
 
+def _ridge_map(x_in: torch.Tensor, x_block: torch.Tensor, ridge: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ridge least squares of `x_block` on [x_in, 1], in float64: (C, S) with C the (d+1)^2 ridged
+    second moments of [x_in, 1] and S (d+1, d_block) the map, x_block ~= [x_in, 1] S."""
+    n, d = x_in.shape
+    xa = torch.cat([x_in.double(), torch.ones(n, 1, dtype=torch.float64)], 1)
+    C = xa.T @ xa
+    C += ridge * C.diagonal()[:d].mean() * torch.eye(d + 1, dtype=torch.float64)
+    with _one_thread():
+        return C, torch.linalg.solve(C, xa.T @ x_block.double())
+
+
 @torch.no_grad()
 def fit_glu_predictor(
     x_in: torch.Tensor,
@@ -254,12 +265,8 @@ def fit_glu_predictor(
     """
     n, d = x_in.shape
     rank = max(1, min(rank, d + 1, gate_weight.shape[0]))
-    xa = torch.cat([x_in.double(), torch.ones(n, 1, dtype=torch.float64)], 1)
-    C = xa.T @ xa
-    C += ridge * C.diagonal()[:d].mean() * torch.eye(d + 1, dtype=torch.float64)
-    Cxy = xa.T @ x_block.double()  # (d+1, d)
+    C, sol = _ridge_map(x_in, x_block, ridge)
     with _one_thread():
-        sol = torch.linalg.solve(C, Cxy)  # maps [x_in, 1] -> x_block (least squares)
         L = torch.linalg.cholesky(C)
     As, as_, Bs = [], [], []
     for w in (gate_weight, up_weight):
@@ -350,11 +357,7 @@ def fit_int4_glu_predictor(
     weights = torch.cat([gate_weight, up_weight]).detach().double()
     bias = None
     if x_block is not None:
-        xa = torch.cat([x, torch.ones(n, 1, dtype=torch.float64)], 1)
-        C = xa.T @ xa
-        C += ridge * C.diagonal()[:d].mean() * torch.eye(d + 1, dtype=torch.float64)
-        with _one_thread():
-            sol = torch.linalg.solve(C, xa.T @ x_block.double())  # [x_in, 1] -> x_block
+        _, sol = _ridge_map(x_in, x_block, ridge)  # [x_in, 1] -> x_block
         bias = (weights @ sol[d]).float()
         weights = weights @ sol[:d].T
     H = x.T @ x / n
@@ -391,17 +394,18 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return (torch.stack([low, high], -1).reshape(packed.shape[0], -1).to(torch.int8) - 8)
 
 
-def dequantize_int4(t: dict[str, torch.Tensor]) -> torch.Tensor:
-    """(2F, d) fp32 rows of a "glu_int4" predictor."""
-    codes = unpack_int4(t["A"]).float()
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(2F, d) fp32 rows of a "glu_int4" predictor from its packed codes (A) and group scales (a)
+    (the backend's graph spells the same arithmetic out in aten ops: passes/sparsify.py)."""
+    codes = unpack_int4(packed).float()
     rows, d = codes.shape
-    scales = t["a"].float()
+    scales = scales.float()
     return (codes.view(rows, scales.shape[1], -1) * scales[:, :, None]).view(rows, d)
 
 
 def int4_glu_scores(x: torch.Tensor, t: dict[str, torch.Tensor], activation=F.silu) -> torch.Tensor:
     """(N, d) -> (N, F) |act(g~) * u~| of a "glu_int4" predictor."""
-    h = x.float() @ dequantize_int4(t).T
+    h = x.float() @ dequantize_int4(t["A"], t["a"]).T
     if t.get("b") is not None:
         h = h + t["b"].float()
     n = h.shape[-1] // 2

@@ -41,7 +41,7 @@ def test_codes_round_trip_and_rows_on_the_grid_are_fitted_exactly(rows, groups, 
     t = fit_int4_glu_predictor(torch.randn(64, d, generator=gen), w[:rows], w[rows:])
     assert t["A"].dtype == torch.uint8 and t["A"].shape == (2 * rows, d // 2)
     assert t["a"].dtype == torch.float16 and "b" not in t
-    assert torch.equal(dequantize_int4(t), w)
+    assert torch.equal(dequantize_int4(t["A"], t["a"]), w)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -55,7 +55,7 @@ def test_fit_beats_rounding_on_the_inputs_it_is_fitted_to(seed):
     gate, up = torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
     t = fit_int4_glu_predictor(x_fit, gate, up)
     w = torch.cat([gate, up]).double()
-    fitted = ((x_test.double() @ (w - dequantize_int4(t).double()).T) ** 2).mean()
+    fitted = ((x_test.double() @ (w - dequantize_int4(t["A"], t["a"]).double()).T) ** 2).mean()
     rounded = ((x_test.double() @ (w - _rtn(torch.cat([gate, up]))).T) ** 2).mean()
     assert fitted < 0.5 * rounded, (fitted.item(), rounded.item())
 

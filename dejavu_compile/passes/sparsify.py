@@ -151,7 +151,11 @@ def _emit_int8_values(gm, graph, entry, x2d: fx.Node, prefix: str, device) -> fx
     """(B, F) act(g~) * u~ of a "glu_int8" entry, signed: its scores' magnitude, and the kept
     neurons' values when the entry's values are "predictor"."""
     q, scale = _int8_consts(gm, graph, entry, prefix, device)
-    h = graph.call_function(torch.ops.dejavu.int8_linear.default, (x2d, q, scale))
+    return _emit_gated(graph, entry, graph.call_function(torch.ops.dejavu.int8_linear.default, (x2d, q, scale)))
+
+
+def _emit_gated(graph, entry, h: fx.Node) -> fx.Node:
+    """act(g~) * u~ from a quantized predictor's (B, 2F) pre-activations [g~, u~]."""
     g = graph.call_function(operator.getitem, (h, (Ellipsis, slice(0, entry.total))))
     u = graph.call_function(operator.getitem, (h, (Ellipsis, slice(entry.total, None))))
     fn, kwargs = _ACT_FN[_activation_name(entry.activation)]
@@ -161,7 +165,10 @@ def _emit_int8_values(gm, graph, entry, x2d: fx.Node, prefix: str, device) -> fx
 def _emit_int4_values(gm, graph, entry, x2d: fx.Node, prefix: str, dtype, device) -> fx.Node:
     """(B, F) act(g~) * u~ of a "glu_int4" entry: its 4-bit codes unpacked and scaled to (2F, d) rows
     in the model's dtype, then one matmul. The constants are the packed codes and fp16 scales; the
-    rows are dequantized on every call (no int4 GEMV kernel yet)."""
+    rows are dequantized on every call (no int4 GEMV kernel yet). Spelled out rather than calling
+    ``predictors.dequantize_int4`` (same arithmetic, via int8 codes): in SmolLM2 decode steps that
+    form ran at 0.32x Inductor dense against this one's 0.51x (`benchmarks/decode.py --skip-synthetic
+    --predictors int4 --densities 0.5 --new-tokens 8 --repeats 1`)."""
     packed = _const(gm, graph, f"{prefix}_A_int4", entry.A.detach().to(device=device).contiguous())
     scales = _const(gm, graph, f"{prefix}_a", entry.a.detach().to(device=device).contiguous())
     rows, groups = entry.a.shape
@@ -176,10 +183,7 @@ def _emit_int4_values(gm, graph, entry, x2d: fx.Node, prefix: str, dtype, device
     if entry.b is not None:
         h = graph.call_function(operator.add, (h, _const(gm, graph, f"{prefix}_b",
                                                          entry.b.detach().to(device=device, dtype=dtype).contiguous())))
-    g = graph.call_function(operator.getitem, (h, (Ellipsis, slice(0, entry.total))))
-    u = graph.call_function(operator.getitem, (h, (Ellipsis, slice(entry.total, None))))
-    fn, kwargs = _ACT_FN[_activation_name(entry.activation)]
-    return graph.call_function(operator.mul, (graph.call_function(fn, (g,), kwargs), u))
+    return _emit_gated(graph, entry, h)
 
 
 def _emit_int8_selection(gm, graph, block: MLPBlock, entry, x2d: fx.Node, prefix: str, device):
