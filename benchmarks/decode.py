@@ -25,7 +25,7 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 def synthetic_plan(model, density: float, rank: int, seed: int = 0, attn_density: float = 1.0):
     """Random low-rank predictors (speed only: shapes and k matter, not what is selected)."""
-    from dejavu_compile.plan import PlanEntry, SparsityPlan, model_fingerprint
+    from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan, model_fingerprint
 
     cfg = model.config
     gen = torch.Generator().manual_seed(seed)
@@ -53,8 +53,8 @@ PREDICTORS = {"lowrank": {"predictor": "lowrank"}, "int8": {"predictor": "int8",
 def synthetic_int8_plan(model, density: float):
     """The default plan's method on random weights: each MLP's own gate/up rows in int8, kept
     neurons' values from them (speed only)."""
-    from dejavu_compile.plan import PlanEntry, SparsityPlan, model_fingerprint
-    from dejavu_compile.predictors import int8_glu_predictor
+    from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan, model_fingerprint
+    from dejavu_compile.plan.predictors import int8_glu_predictor
 
     entries = {}
     for layer, block in enumerate(model.model.layers):
@@ -70,14 +70,15 @@ def _heads(attn_density: float) -> str:
 
 
 def run_smollm2(args, report):
-    from dejavu_compile.bench import Variant, compiled_forward, measure_decode
-    from dejavu_compile.calibrate import DEFAULT_MAX_TOKENS, DEFAULT_SEQ_LEN, calibrate
-    from dejavu_compile.cli import DEMO_PROMPT, bandwidth_bound
-    from dejavu_compile.collect import collect
-    from dejavu_compile.data import news_texts, tokenize_chunks, wiki_articles
-    from dejavu_compile.evaluate import perplexity
-    from dejavu_compile.models import load_smollm2
-    from dejavu_compile.passes.sparsify import prepare_model
+    from dejavu_compile.evaluation.bench import Variant, compiled_forward, measure_decode
+    from dejavu_compile.calibration.calibrate import DEFAULT_MAX_TOKENS, DEFAULT_SEQ_LEN, calibrate
+    from dejavu_compile.cli import DEMO_PROMPT
+    from dejavu_compile.evaluation.bandwidth import bandwidth_bound
+    from dejavu_compile.calibration.collect import collect
+    from dejavu_compile.assets.data import news_texts, tokenize_chunks, wiki_articles
+    from dejavu_compile.evaluation.perplexity import perplexity
+    from dejavu_compile.assets.models import load_smollm2
+    from dejavu_compile.compiler.prepare import prepare_model
 
     model, tok = load_smollm2()
     samples, _ = collect(model, tokenize_chunks(tok, wiki_articles("calibration"), DEFAULT_SEQ_LEN, DEFAULT_MAX_TOKENS),
@@ -147,9 +148,9 @@ def run_synthetic(args, report):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from dejavu_compile import dejavu_backend
-    from dejavu_compile.bench import Variant, compiled_forward, measure_decode
-    from dejavu_compile.cli import bandwidth_bound
-    from dejavu_compile.passes.sparsify import prepare_model
+    from dejavu_compile.evaluation.bench import Variant, compiled_forward, measure_decode
+    from dejavu_compile.evaluation.bandwidth import bandwidth_bound
+    from dejavu_compile.compiler.prepare import prepare_model
 
     shape = SYNTHETIC_SHAPES[args.synthetic_shape]
     config = AutoConfig.for_model("llama", num_hidden_layers=args.synthetic_layers, vocab_size=32000,
@@ -251,7 +252,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.densities, args.new_tokens, args.repeats, args.eval_tokens = [0.5], 24, 2, 1024
     torch.set_num_threads(args.threads)
-    from dejavu_compile.bench import machine_description
+    from dejavu_compile.evaluation.bench import machine_description
 
     report = {"machine": machine_description(), "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d")}
     if not args.skip_smollm2:

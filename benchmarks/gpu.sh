@@ -21,7 +21,7 @@ PY=python3
 if ! $PY -m pip install -q --no-deps --no-build-isolation -e . >>"$OUT/env.txt" 2>&1; then
   mkdir -p /tmp/site/dejavu_compile-0.dist-info
   printf 'Metadata-Version: 2.1\nName: dejavu-compile\nVersion: 0\n' >/tmp/site/dejavu_compile-0.dist-info/METADATA
-  printf '[torch_dynamo_backends]\ndejavu = dejavu_compile.backend:dejavu_backend\n' >/tmp/site/dejavu_compile-0.dist-info/entry_points.txt
+  printf '[torch_dynamo_backends]\ndejavu = dejavu_compile.compiler.backend:dejavu_backend\n' >/tmp/site/dejavu_compile-0.dist-info/entry_points.txt
   export PYTHONPATH=/tmp/site:$PWD
   echo "pip install failed: using PYTHONPATH and a hand-made entry point" | tee -a "$OUT/env.txt"
 fi

@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=200)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from dejavu_compile.bench import machine_description
+    from dejavu_compile.evaluation.bench import machine_description
     from dejavu_compile.kernels import native, prepare_gated_mlp_weights
 
     d, ff = 576, 1536

@@ -33,9 +33,9 @@ def main(argv=None) -> int:
     ap.add_argument("--densities", type=float, nargs="+", default=[0.5, 0.6])
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
-    from dejavu_compile.data import wiki_articles
-    from dejavu_compile.models import load_smollm2
-    from dejavu_compile.predictors import dequantize_int4, fit_int4_glu_predictor, recall
+    from dejavu_compile.assets.data import wiki_articles
+    from dejavu_compile.assets.models import load_smollm2
+    from dejavu_compile.plan.predictors import dequantize_int4, fit_int4_glu_predictor, recall
 
     model, tok = load_smollm2()
     text = tok("\n\n".join(wiki_articles("calibration")[:16]), return_tensors="pt").input_ids

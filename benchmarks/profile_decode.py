@@ -39,11 +39,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     import torch._inductor.config as inductor_config
 
-    from dejavu_compile.bench import compiled_forward, machine_description
-    from dejavu_compile.calibrate import calibrate
+    from dejavu_compile.evaluation.bench import compiled_forward, machine_description
+    from dejavu_compile.calibration.calibrate import calibrate
     from dejavu_compile.cli import DEMO_PROMPT
-    from dejavu_compile.models import load_smollm2
-    from dejavu_compile.passes.sparsify import prepare_model
+    from dejavu_compile.assets.models import load_smollm2
+    from dejavu_compile.compiler.prepare import prepare_model
 
     inductor_config.cpp.enable_kernel_profile = True
     model, tok = load_smollm2()

@@ -1,9 +1,9 @@
 """Quality harness: held-out perplexity, dense vs sparse, per selection method and MLP density.
 
 All sparse numbers are a *masked dense simulation* (dense model, per-token 0/1 masks applied by
-forward hooks, see dejavu_compile.quality): they measure quality, not speed. Plans whose kept
+forward hooks, see dejavu_compile.experiments.quality): they measure quality, not speed. Plans whose kept
 neurons take the int8 predictor's values ("int8_values", the default plan) and the learned int4
-plans are evaluated through the backend's own masked simulation (dejavu_compile.evaluate), the
+plans are evaluated through the backend's own masked simulation (dejavu_compile.evaluation.perplexity), the
 graph the backend compiles with the decode step's predictor and top-k.
 
     python benchmarks/quality.py            # full sweep (~15-25 min on 2 CPU cores)
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from dejavu_compile.calibrate import calibrate
-from dejavu_compile.evaluate import perplexity as backend_perplexity
-from dejavu_compile.quality import (
+from dejavu_compile.calibration.calibrate import calibrate
+from dejavu_compile.evaluation.perplexity import perplexity as backend_perplexity
+from dejavu_compile.experiments.quality import (
     SIM_LABEL, TealSelector, cats_selector, oracle_selector, perplexity, plan_selector, smollm2_harness,
 )
 

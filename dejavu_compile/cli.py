@@ -12,7 +12,7 @@ DEMO_PROMPT = "The history of the city begins in the Roman period, when"
 
 
 def _default_plan_dir():
-    from dejavu_compile.models import cache_dir
+    from dejavu_compile.cache import cache_dir
 
     # Versioned: a plan cached by an older default calibration is not silently reused.
     return cache_dir() / "plans" / "smollm2-default-v5"
@@ -20,8 +20,8 @@ def _default_plan_dir():
 
 def load_or_calibrate(model, tokenizer, plan_dir, recalibrate: bool = False, **calibrate_kwargs):
     """The plan cached in ``plan_dir`` if it fits ``model``; else calibrate one and cache it."""
-    from dejavu_compile.calibrate import calibrate
-    from dejavu_compile.plan import SparsityPlan
+    from dejavu_compile.calibration.calibrate import calibrate
+    from dejavu_compile.plan.sparsity_plan import SparsityPlan
 
     if not recalibrate and (plan_dir / "plan.json").exists():
         try:
@@ -53,11 +53,12 @@ def demo(argv=None) -> int:
 
     from pathlib import Path
 
-    from dejavu_compile.bench import Variant, compiled_forward, machine_description, measure_decode
-    from dejavu_compile.data import news_texts, tokenize_chunks, wiki_articles
-    from dejavu_compile.evaluate import perplexity
-    from dejavu_compile.models import load_smollm2
-    from dejavu_compile.passes.sparsify import prepare_model
+    from dejavu_compile.evaluation.bench import Variant, compiled_forward, machine_description, measure_decode
+    from dejavu_compile.assets.data import news_texts, tokenize_chunks, wiki_articles
+    from dejavu_compile.evaluation.perplexity import perplexity
+    from dejavu_compile.assets.models import load_smollm2
+    from dejavu_compile.compiler.prepare import prepare_model
+    from dejavu_compile.evaluation.bandwidth import bandwidth_bound
 
     print("loading SmolLM2-135M-Instruct ...")
     model, tok = load_smollm2()
@@ -103,59 +104,15 @@ def demo(argv=None) -> int:
     return 0
 
 
-def bandwidth_bound(model, plan) -> float:
-    """Dense weight bytes per decode step over the bytes the plan reads (kept MLP rows, only their
-    down rows when the plan takes their values from the int8 predictor, kept heads' query and output
-    rows, all other weights, and the predictors): the speedup a purely
-    bandwidth-bound decoder could reach. (KV-cache reads are left out: small at the short contexts
-    benchmarked here.) Attention blocks and query projections count as sparse exactly where the
-    backend lowers them so (``sparsify_attention.dense_reason`` / ``dense_query_reason``)."""
-    from dejavu_compile.explain import matched_blocks
-    from dejavu_compile.passes.sparsify_attention import dense_query_reason, dense_reason
-
-    params = dict(model.named_parameters())
-    nbytes = lambda p: p.numel() * p.element_size()
-    element_size = next(iter(params.values())).element_size()
-    total = sum(nbytes(p) for p in {id(p): p for p in model.parameters()}.values())
-    # An input embedding reads one row per token; unless the output head shares it, leave it out.
-    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if embed is not None and (head is None or head.weight is not embed.weight):
-        total -= nbytes(embed.weight)
-    def ref_bytes(ref) -> float:  # a fused weight (gate_up_proj, c_attn): only the rows this role owns
-        p = params[ref.name]
-        if ref.rows is None:
-            return nbytes(p)
-        return nbytes(p) * (ref.rows[1] - ref.rows[0]) / p.shape[0 if ref.layout == "out_in" else 1]
-
-    saved = 0.0
-    for block in matched_blocks(model):
-        entry = plan.entries.get((block.layer, block.kind))
-        if entry is None or entry.dense:
-            continue
-        if block.kind == "mlp" and entry.values == "predictor" and block.gated:
-            # kept neurons' values from the int8 predictor: gate and up not read, down rows kept
-            saved += sum(ref_bytes(ref) for ref in (block.gate, block.up) if ref.name in params)
-            sparse_refs = [block.down]
-        elif block.kind == "mlp":
-            sparse_refs = block.weights.values()
-        elif dense_reason(block) is not None:
-            continue
-        else:
-            sparse_refs = [block.o] + ([block.q] if dense_query_reason(block) is None else [])
-        sparse = sum(ref_bytes(ref) for ref in sparse_refs if ref.name in params)
-        saved += sparse * (1.0 - entry.k / entry.total) - entry.read_bytes(element_size)
-    return total / (total - saved)
-
-
 def explain_cmd(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="dejavu-compile explain", description="What the backend matches in a model.")
     ap.add_argument("model", help="'smollm2', a tiny test architecture (llama, gpt2, ...), or a local HF directory")
     args = ap.parse_args(argv)
-    from dejavu_compile.explain import explain
+    from dejavu_compile.compiler.explain import explain
     from dejavu_compile.testing.tiny import ARCHITECTURES, tiny_model
 
     if args.model == "smollm2":
-        from dejavu_compile.models import load_smollm2
+        from dejavu_compile.assets.models import load_smollm2
 
         model, _ = load_smollm2()
     elif args.model in ARCHITECTURES:
@@ -172,7 +129,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"demo": demo, "explain": explain_cmd}
     if argv and argv[0] == "calibrate":
-        from dejavu_compile.calibrate import main_calibrate
+        from dejavu_compile.calibration.calibrate import main_calibrate
 
         return main_calibrate(argv[1:])
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:

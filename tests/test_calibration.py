@@ -6,14 +6,14 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from dejavu_compile import budget  # noqa: E402
-from dejavu_compile.collect import collect  # noqa: E402
-from dejavu_compile.calibrate import calibrate  # noqa: E402
-from dejavu_compile.plan import SparsityPlan  # noqa: E402
-from dejavu_compile.predictors import (  # noqa: E402
+from dejavu_compile.calibration import budget  # noqa: E402
+from dejavu_compile.calibration.collect import collect  # noqa: E402
+from dejavu_compile.calibration.calibrate import calibrate  # noqa: E402
+from dejavu_compile.plan.sparsity_plan import SparsityPlan  # noqa: E402
+from dejavu_compile.plan.predictors import (  # noqa: E402
     fit_glu_predictor, glu_scores, mass_captured, recall, teal_input_mask, train_predictor,
 )
-from dejavu_compile.quality import (  # noqa: E402
+from dejavu_compile.experiments.quality import (  # noqa: E402
     MaskedSimulation, TealSelector, oracle_selector, perplexity, plan_selector, random_selector,
 )
 
@@ -237,7 +237,7 @@ def test_int8_predictor_selects_nearly_the_oracle_set():
 def test_default_predictor_is_int8_for_gated_mlps_on_cpu_else_lowrank():
     """calibrate()'s defaults: the int8 predictor at DEFAULT_MLP_DENSITY["int8"] for a gated model on
     the CPU; Deja Vu's low-rank one at DEFAULT_MLP_DENSITY["lowrank"] for plain MLPs (OPT)."""
-    from dejavu_compile.calibrate import DEFAULT_MLP_DENSITY
+    from dejavu_compile.calibration.calibrate import DEFAULT_MLP_DENSITY
 
     gated = tiny_llama(planted=False)
     plan = calibrate(gated, None, samples=collect(gated, batches(), progress=False)[0], progress=False,
@@ -282,8 +282,8 @@ class _ByteTokenizer:
 def test_quality_budget_mode_respects_its_budget(budget):
     """max_ppl_increase picks the lowest density whose calibration-holdout perplexity stays within
     the budget: a zero budget keeps (nearly) everything, a loose one goes sparser."""
-    from dejavu_compile.data import tokenize_chunks
-    from dejavu_compile.evaluate import perplexity
+    from dejavu_compile.assets.data import tokenize_chunks
+    from dejavu_compile.evaluation.perplexity import perplexity
 
     model = tiny_llama(planted=False)
     text = " ".join(f"token{i % 37} word{i % 11}" for i in range(600))

@@ -1,8 +1,9 @@
 """The command line and the demo's helpers, on tiny models (the real demo needs minutes)."""
 import torch
 
-from dejavu_compile.cli import bandwidth_bound, main
-from dejavu_compile.plan import PlanEntry, SparsityPlan, model_fingerprint
+from dejavu_compile.cli import main
+from dejavu_compile.evaluation.bandwidth import bandwidth_bound
+from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan, model_fingerprint
 from dejavu_compile.testing.tiny import tiny_model
 
 
@@ -54,7 +55,7 @@ def test_bandwidth_bound_by_hand():
 
 
 def _int8_values_plan(model, density):
-    from dejavu_compile.explain import matched_blocks
+    from dejavu_compile.compiler.explain import matched_blocks
 
     entries = {}
     for block in matched_blocks(model):

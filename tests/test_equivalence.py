@@ -47,7 +47,7 @@ def test_assert_matches_eager_helper_passes_and_fails_readably():
                          dejavu_options={"inner": "eager"})
 
     # A backend that perturbs the graph must be caught, with a diff that says where.
-    from dejavu_compile import backend
+    from dejavu_compile.compiler import backend
 
     original = backend.DejavuBackend.run_passes
 

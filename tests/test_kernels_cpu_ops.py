@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from tests.conftest_kernels import act64, assert_close, mlp_cases, mlp_problem, mlp_reference
 from dejavu_compile.kernels import ACTIVATIONS, int8_linear, native
-from dejavu_compile.predictors import int8_glu_predictor
+from dejavu_compile.plan.predictors import int8_glu_predictor
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(not native.load_ops(), reason=f"C++ ops unavailable: {native._OPS['error']}")
@@ -209,7 +209,7 @@ def test_bad_input_is_a_clear_error():
 
 def test_build_failure_warns_once_and_the_backend_keeps_aten(monkeypatch):
     """No C++ compiler: load_ops() is False with one warning naming why; the lowering falls back."""
-    from dejavu_compile.passes.sparsify import _cpu_lowering
+    from dejavu_compile.compiler.passes.lowering import cpu_lowering as _cpu_lowering
 
     monkeypatch.setitem(native._OPS, "loaded", False)
     monkeypatch.setitem(native._OPS, "error", None)

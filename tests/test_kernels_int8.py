@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 from unittest import mock
 
 from dejavu_compile.kernels import int8_linear, native
-from dejavu_compile.predictors import int8_glu_predictor
+from dejavu_compile.plan.predictors import int8_glu_predictor
 
 
 def _problem(seed, batch, d, n):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import dejavu_compile
-from dejavu_compile.passes.match_mlp import MLPRule
+from dejavu_compile.compiler.passes.match_mlp import MLPRule
 from dejavu_compile.testing.tiny import ARCHITECTURES, tiny_model
 
 # The activation each HF config name must be recognised as (the matcher checks numerically).
@@ -297,7 +297,7 @@ def test_inputs_requiring_grad_pass_through_dense_with_a_warning():
 
 
 def test_a_failing_pass_falls_back_to_the_untouched_graph(monkeypatch, caplog):
-    from dejavu_compile import backend
+    from dejavu_compile.compiler import backend
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated pass failure")

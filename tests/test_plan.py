@@ -8,14 +8,14 @@ import torch
 
 pytest.importorskip("transformers")
 
-from dejavu_compile.plan import PlanEntry, SparsityPlan  # noqa: E402
+from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan  # noqa: E402
 from test_calibration import FF, H, L, PLANT, batches, tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def model_and_plan():
-    from dejavu_compile.collect import collect
-    from dejavu_compile.calibrate import calibrate
+    from dejavu_compile.calibration.collect import collect
+    from dejavu_compile.calibration.calibrate import calibrate
 
     model = tiny_llama()
     samples, _ = collect(model, batches(3, 48), progress=False)
@@ -110,8 +110,8 @@ def test_entry_shape_validation(tmp_path):
 
 
 def test_int8_plan_round_trip(tmp_path):
-    from dejavu_compile.collect import collect
-    from dejavu_compile.calibrate import calibrate
+    from dejavu_compile.calibration.collect import collect
+    from dejavu_compile.calibration.calibrate import calibrate
 
     model = tiny_llama(planted=False)
     samples, _ = collect(model, batches(2, 48), progress=False)
@@ -136,8 +136,8 @@ def test_values_round_trip_and_validation(tmp_path):
     values "predictor" without the int8 predictor, or an unknown values, is a clear error."""
     import json
 
-    from dejavu_compile.collect import collect
-    from dejavu_compile.calibrate import calibrate
+    from dejavu_compile.calibration.collect import collect
+    from dejavu_compile.calibration.calibrate import calibrate
 
     model = tiny_llama(planted=False)
     samples, _ = collect(model, batches(2, 48), progress=False)

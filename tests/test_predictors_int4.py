@@ -6,10 +6,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from dejavu_compile.calibrate import calibrate
-from dejavu_compile.collect import collect
-from dejavu_compile.plan import PlanEntry, SparsityPlan
-from dejavu_compile.predictors import (dequantize_int4, fit_int4_glu_predictor, int4_glu_scores, pack_int4, recall,
+from dejavu_compile.calibration.calibrate import calibrate
+from dejavu_compile.calibration.collect import collect
+from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan
+from dejavu_compile.plan.predictors import (dequantize_int4, fit_int4_glu_predictor, int4_glu_scores, pack_int4, recall,
                                        unpack_int4)
 from test_calibration import D, FF, L, batches, tiny_llama, tiny_opt  # noqa: E402
 

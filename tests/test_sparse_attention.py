@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from dejavu_compile.passes.sparsify import prepare_model
+from dejavu_compile.compiler.prepare import prepare_model
 from dejavu_compile.testing import describe_difference
 from dejavu_compile.testing.tiny import ARCHITECTURES, tiny_model
 

@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from dejavu_compile.kernels import native
-from dejavu_compile.passes.sparsify import PlanMismatchError, prepare_model
-from dejavu_compile.plan import PlanEntry, SparsityPlan, model_fingerprint
+from dejavu_compile.compiler.prepare import prepare_model
+from dejavu_compile.errors import PlanMismatchError
+from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan, model_fingerprint
 from dejavu_compile.testing import describe_difference, greedy_generate
 from dejavu_compile.testing.tiny import ARCHITECTURES, tiny_model
 
@@ -191,7 +192,7 @@ def test_down_row_sums_split_a_prime_k_into_padded_bags():
 
 
 def _int8_plan(model, density, values="exact"):
-    from dejavu_compile.predictors import int8_glu_predictor
+    from dejavu_compile.plan.predictors import int8_glu_predictor
 
     entries = {}
     for layer, block in enumerate(model.model.layers):
@@ -294,7 +295,7 @@ def _graphs_matching_masked_reference(model, plan, ids) -> list:
 def _int4_plan(model, density, lookahead):
     """The learned int4 predictor fitted to random block inputs (with lookahead, to "attention
     inputs" from which the block inputs are a noisy linear map, so the fitted rows and biases matter)."""
-    from dejavu_compile.predictors import fit_int4_glu_predictor
+    from dejavu_compile.plan.predictors import fit_int4_glu_predictor
 
     gen = torch.Generator().manual_seed(0)
     d = model.config.hidden_size
@@ -461,7 +462,7 @@ def test_added_inputs_reach_inductor_as_fixed_shape_fakes():
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from dejavu_compile.backend import _static_examples
+    from dejavu_compile.compiler.backend import _static_examples
 
     codes = torch.zeros(6, 16, dtype=torch.uint8)
     mode = FakeTensorMode(shape_env=ShapeEnv())

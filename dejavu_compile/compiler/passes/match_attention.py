@@ -15,9 +15,18 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from dejavu_compile.blocks import AttentionBlock
-from dejavu_compile.passes.graph_utils import (
-    LinearCall, common_module, evaluate, example_value, is_elementwise, is_op, is_shape_op, layer_index, location, shape_of,
+from dejavu_compile.compiler.blocks import AttentionBlock
+from dejavu_compile.compiler.passes.graph_utils import (
+    LinearCall,
+    common_module,
+    evaluate,
+    example_value,
+    is_elementwise,
+    is_op,
+    is_shape_op,
+    layer_index,
+    location,
+    shape_of,
 )
 
 SDPA = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}

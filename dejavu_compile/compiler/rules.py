@@ -1,7 +1,7 @@
 """The public rule registry: built-in and user pattern rules go through one list.
 
 A rule is any object with a ``name``, a ``kind`` ("mlp" or "attention") and a method
-``match(ctx) -> iterable of blocks``, where ``ctx`` is a :class:`dejavu_compile.passes.match.MatchContext`.
+``match(ctx) -> iterable of blocks``, where ``ctx`` is a :class:`dejavu_compile.compiler.passes.match.MatchContext`.
 Rules run from the highest priority down; a projection claimed by one rule is not offered to the
 next, so a user rule registered with a higher priority than the built-ins (user default: 100,
 built-ins: 0) takes precedence.
@@ -10,7 +10,7 @@ The usual way to teach the matcher a new MLP is to give the element-wise MLP rul
 activation; it checks the traced activation numerically against the function you pass::
 
     import torch, dejavu_compile
-    from dejavu_compile.passes.match_mlp import MLPRule
+    from dejavu_compile.compiler.passes.match_mlp import MLPRule
 
     dejavu_compile.register_rule(MLPRule("squared_relu", {"relu2": lambda x: torch.relu(x) ** 2}))
 """
@@ -65,8 +65,8 @@ def _ensure_builtins() -> None:
     if _builtins_loaded:
         return
     _builtins_loaded = True
-    from dejavu_compile.passes.match_attention import AttentionRule
-    from dejavu_compile.passes.match_mlp import MLPRule
+    from dejavu_compile.compiler.passes.match_attention import AttentionRule
+    from dejavu_compile.compiler.passes.match_mlp import MLPRule
 
     for rule in (MLPRule(), AttentionRule()):
         if rule.name not in _registry:

@@ -14,13 +14,13 @@ import time
 
 import torch
 
-from dejavu_compile import budget
-from dejavu_compile.plan import PlanEntry, SparsityPlan, model_fingerprint, predictor_read_bytes
-from dejavu_compile.predictors import (fit_glu_predictor, fit_int4_glu_predictor, glu_scores, int4_glu_scores,
+from dejavu_compile.calibration import budget
+from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan, model_fingerprint, predictor_read_bytes
+from dejavu_compile.plan.predictors import (fit_glu_predictor, fit_int4_glu_predictor, glu_scores, int4_glu_scores,
                                        int8_glu_predictor, int8_glu_scores, mass_captured, mass_curve, recall,
                                        train_predictor)
 
-from dejavu_compile.collect import collect
+from dejavu_compile.calibration.collect import collect
 
 # Recommended operating point, measured with benchmarks/decode.py on SmolLM2-135M (held-out
 # Wikipedia / news, 2 CPU cores, fp32): for gated MLPs on CPU the int8 predictor (the block's own
@@ -46,7 +46,7 @@ DEFAULT_SEQ_LEN = 256
 def _mlp_blocks(model, blocks=None) -> dict:
     """layer -> matched MLP block record (from collection, else by tracing the model once)."""
     if blocks is None:
-        from dejavu_compile.explain import matched_blocks
+        from dejavu_compile.compiler.explain import matched_blocks
 
         blocks = matched_blocks(model)
     return {b.layer: b for b in blocks if getattr(b, "kind", None) == "mlp"}
@@ -63,9 +63,9 @@ def _weight_rows(model, ref) -> torch.Tensor:
 
 
 def _activation(cfg):
-    from dejavu_compile.plan import _ACTS
+    from dejavu_compile import activations
 
-    return _ACTS.get(str(getattr(cfg, "hidden_act", "silu")), torch.nn.functional.silu)
+    return activations.torch_fn(str(getattr(cfg, "hidden_act", "silu")))
 
 
 def _split(n: int, frac: float = 0.8, seed: int = 0):
@@ -135,7 +135,7 @@ def calibrate(
     """
     from tqdm.auto import tqdm
 
-    from dejavu_compile.data import tokenize_chunks
+    from dejavu_compile.assets.data import tokenize_chunks
 
     if predictor not in ("auto", "lowrank", "int8", "int4"):
         raise ValueError(f"predictor must be 'auto', 'lowrank', 'int8' or 'int4', got {predictor!r}")
@@ -146,7 +146,7 @@ def calibrate(
     torch.manual_seed(seed)
     t0 = time.time()
     if texts is None:
-        from dejavu_compile.data import wiki_articles
+        from dejavu_compile.assets.data import wiki_articles
 
         texts = wiki_articles("calibration")
     holdout = []
@@ -304,7 +304,7 @@ def calibrate(
         return build(mlp_density)
 
     # Quality budget: lowest density on a 0.05 grid within the budget on held-back calibration text.
-    from dejavu_compile.evaluate import perplexity
+    from dejavu_compile.evaluation.perplexity import perplexity
 
     base = perplexity(model, holdout)
     best = SparsityPlan.dense(model, {"method": "dense", "max_ppl_increase": max_ppl_increase})
@@ -349,7 +349,7 @@ def main_calibrate(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.model == "smollm2":
-        from dejavu_compile.models import load_smollm2
+        from dejavu_compile.assets.models import load_smollm2
 
         model, tok = load_smollm2()
     else:
@@ -359,7 +359,7 @@ def main_calibrate(argv=None) -> int:
         tok = AutoTokenizer.from_pretrained(args.model)
     texts = None
     if args.texts:
-        from dejavu_compile.data import read_text_file
+        from dejavu_compile.assets.data import read_text_file
 
         texts = read_text_file(args.texts)
     plan = calibrate(model, tok, texts, mlp_density=args.density, attn_density=args.attn_density,

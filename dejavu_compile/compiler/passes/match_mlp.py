@@ -14,20 +14,24 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
-from dejavu_compile.blocks import MLPBlock
-from dejavu_compile.passes.graph_utils import (
-    LinearCall, common_module, evaluate, example_value, is_elementwise, is_op, is_scalar_value, layer_index,
-    location, shape_of,
+from dejavu_compile import activations
+from dejavu_compile.compiler.blocks import MLPBlock
+from dejavu_compile.compiler.passes.graph_utils import (
+    LinearCall,
+    common_module,
+    evaluate,
+    example_value,
+    is_elementwise,
+    is_op,
+    is_scalar_value,
+    layer_index,
+    location,
+    shape_of,
 )
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-}
+# The built-in rule recognises every activation of the table (numerically, whatever the traced form).
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {a.name: a.fn for a in activations.BUILTIN}
 
 _CASTS = {"to", "float", "half", "bfloat16", "type_as"}
 _MLP_WORDS = ("mlp", "ffn", "feed_forward", "feedforward", "fc")

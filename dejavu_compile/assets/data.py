@@ -26,7 +26,7 @@ SPLITS = ("calibration", "eval", "all")
 def _gensim_data_dir() -> Path:
     spec = importlib.util.find_spec("gensim")
     if spec is None or spec.origin is None:
-        from dejavu_compile.models import _INSTALL_HINT, MissingExtraError
+        from dejavu_compile.assets.models import _INSTALL_HINT, MissingExtraError
 
         raise MissingExtraError("package 'gensim' (the bundled English text) not found.\n" + _INSTALL_HINT)
     return Path(spec.origin).parent / "test" / "test_data"

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from dejavu_compile.errors import DejavuOptionError
+
 log = logging.getLogger("dejavu_compile")
 
 OPTION_DEFAULTS: dict[str, Any] = {
@@ -45,22 +47,6 @@ class BackendReport:
     extra_bytes: int = 0  # memory the compiled graph holds beyond the model's own: predictors, weight copies
 
 
-try:  # Dynamo re-raises ShortenTraceback as is, so the user sees our ValueError, not a wrapper.
-    from torch._dynamo.exc import ShortenTraceback as _PassThrough
-except ImportError:  # pragma: no cover - older torch
-    _PassThrough = None
-
-if _PassThrough is not None:
-    class DejavuOptionError(ValueError, _PassThrough):
-        """Bad backend options or arguments (a ValueError that reaches the torch.compile caller)."""
-
-        def __init__(self, message: str):
-            _PassThrough.__init__(self, message, first_useful_frame=None)
-else:  # pragma: no cover
-    class DejavuOptionError(ValueError):
-        """Bad backend options or arguments."""
-
-
 def validate_options(options: dict | None) -> dict:
     options = dict(options or {})
     unknown = sorted(set(options) - set(OPTION_DEFAULTS))
@@ -74,7 +60,7 @@ def validate_options(options: dict | None) -> dict:
         raise DejavuOptionError("option 'inductor_config' must be a dict of Inductor config patches")
     plan = merged["plan"]
     if plan is not None:
-        from dejavu_compile.plan import SparsityPlan
+        from dejavu_compile.plan.sparsity_plan import SparsityPlan
 
         if not isinstance(plan, SparsityPlan):
             raise DejavuOptionError(f"option 'plan' must be a dejavu_compile.SparsityPlan, got {type(plan).__name__}")
@@ -93,7 +79,7 @@ def _training_reason(gm: fx.GraphModule, example_inputs) -> str | None:
             if training:
                 return "the model is in training mode (dropout active)"
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    from dejavu_compile.passes.graph_utils import param_name
+    from dejavu_compile.compiler.passes.graph_utils import param_name
 
     for node, value in zip(placeholders, example_inputs):
         if isinstance(value, torch.Tensor) and value.requires_grad and param_name(node) is None:
@@ -184,7 +170,7 @@ class DejavuBackend:
         return _compile_inner(gm, example_inputs, opts, mode)
 
     def run_passes(self, gm, example_inputs, opts, report: BackendReport) -> fx.GraphModule:
-        from dejavu_compile.passes.match import match_blocks
+        from dejavu_compile.compiler.passes.match import match_blocks
 
         report.match = match_blocks(gm)
         reason = _training_reason(gm, example_inputs)
@@ -197,7 +183,7 @@ class DejavuBackend:
             return gm
         if opts["plan"] is None:
             return gm
-        from dejavu_compile.passes.sparsify import sparsify
+        from dejavu_compile.compiler.passes.sparsify import sparsify
 
         return sparsify(gm, example_inputs, report, opts)
 

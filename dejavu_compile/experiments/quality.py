@@ -22,8 +22,8 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
-from dejavu_compile.predictors import cats_scores, teal_input_mask, topk_mask
-from dejavu_compile.collect import head_contributions
+from dejavu_compile.plan.predictors import cats_scores, teal_input_mask, topk_mask
+from dejavu_compile.calibration.collect import head_contributions
 
 SIM_LABEL = "masked dense simulation"
 Selector = Callable[..., torch.Tensor | None]
@@ -220,9 +220,9 @@ class Harness(NamedTuple):
 
 
 def smollm2_harness(calib_tokens: int = 8192, eval_tokens: int = 2048, seq_len: int = 256) -> Harness:
-    from dejavu_compile.collect import collect
-    from dejavu_compile.data import news_texts, tokenize_chunks, wiki_articles
-    from dejavu_compile.models import load_smollm2
+    from dejavu_compile.calibration.collect import collect
+    from dejavu_compile.assets.data import news_texts, tokenize_chunks, wiki_articles
+    from dejavu_compile.assets.models import load_smollm2
 
     model, tok = load_smollm2()
     sets = {"wiki": tokenize_chunks(tok, wiki_articles("eval"), seq_len, eval_tokens),

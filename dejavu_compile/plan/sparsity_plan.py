@@ -39,14 +39,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from dejavu_compile import activations
 
 FORMAT_VERSION = 1
 KINDS = ("mlp", "attention")
 NONLINEARITIES = ("none", "relu", "glu", "glu_int8", "glu_int4", "dense")
 QUANTIZED = ("glu_int8", "glu_int4")  # tensors read as stored, not cast to the model dtype
 VALUES = ("exact", "predictor")
-_ACTS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu, "gelu_pytorch_tanh": lambda t: F.gelu(t, approximate="tanh")}
 
 
 @dataclass(eq=False)  # compared by identity: == on tensor fields is ambiguous (and Dynamo compares backend options)
@@ -78,17 +78,17 @@ class PlanEntry:
         if self.A is None:
             return torch.ones(*x.shape[:-1], self.total, dtype=x.dtype, device=x.device)
         if self.nonlinearity == "glu_int8":
-            from dejavu_compile.predictors import int8_glu_scores
+            from dejavu_compile.plan.predictors import int8_glu_scores
 
             t = {"A": self.A.to(x.device), "a": self.a.to(x.device, torch.float32)}
             flat = x.reshape(-1, x.shape[-1])
-            return int8_glu_scores(flat, t, _ACTS.get(self.activation, F.silu)).view(*x.shape[:-1], -1)
+            return int8_glu_scores(flat, t, activations.torch_fn(self.activation)).view(*x.shape[:-1], -1)
         if self.nonlinearity == "glu_int4":
-            from dejavu_compile.predictors import int4_glu_scores
+            from dejavu_compile.plan.predictors import int4_glu_scores
 
             t = {n: v.to(x.device) for n, v in self.tensors().items()}
             flat = x.reshape(-1, x.shape[-1])
-            return int4_glu_scores(flat, t, _ACTS.get(self.activation, F.silu)).view(*x.shape[:-1], -1)
+            return int4_glu_scores(flat, t, activations.torch_fn(self.activation)).view(*x.shape[:-1], -1)
         A = self.A.to(x.device, x.dtype if x.dtype.is_floating_point else torch.float32)
         h = x.to(A.dtype) @ A
         if self.a is not None:
@@ -96,7 +96,7 @@ class PlanEntry:
         B = self.B.to(h)
         if self.nonlinearity == "glu":
             r = B.shape[0] // 2
-            act = _ACTS.get(self.activation, F.silu)
+            act = activations.torch_fn(self.activation)
             s = (act(h[..., :r] @ B[:r]) * (h[..., r:] @ B[r:])).abs()
         else:
             if self.nonlinearity == "relu":

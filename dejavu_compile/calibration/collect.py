@@ -14,7 +14,7 @@ from typing import Iterable
 import torch
 import torch.fx as fx
 
-from dejavu_compile.blocks import AttentionBlock, MLPBlock
+from dejavu_compile.compiler.blocks import AttentionBlock, MLPBlock
 
 
 @dataclass
@@ -107,7 +107,7 @@ def collect(model, token_batches: Iterable[torch.LongTensor], max_tokens: int = 
     ``max_tokens`` rows (subsampled uniformly, the same rows for every block), and ``blocks`` the
     block records the matcher found.
     """
-    from dejavu_compile.passes.match import match_blocks
+    from dejavu_compile.compiler.passes.match import match_blocks
 
     batches = list(token_batches)
     total = sum(b.numel() for b in batches)

@@ -6,10 +6,8 @@ from functools import cached_property
 
 import torch.fx as fx
 
-from dejavu_compile.blocks import AttentionBlock, Block, MLPBlock, WeightRef
-from dejavu_compile.passes.graph_utils import (
-    LinearCall, find_linears, is_op, layer_index, to_networkx,
-)
+from dejavu_compile.compiler.blocks import AttentionBlock, Block, MLPBlock, WeightRef
+from dejavu_compile.compiler.passes.graph_utils import LinearCall, find_linears, is_op, layer_index, to_networkx
 
 
 @dataclass
@@ -67,7 +65,7 @@ class MatchContext:
 
 def match_blocks(gm: fx.GraphModule, rules=None) -> MatchResult:
     """Apply ``rules`` (default: the registry, highest priority first) to ``gm``."""
-    from dejavu_compile.rules import registered_rules
+    from dejavu_compile.compiler.rules import registered_rules
 
     ctx = MatchContext(gm)
     result = MatchResult()

@@ -1,0 +1,70 @@
+"""Predictor plus top-k inserted as early as their inputs allow (lookahead: one block ahead)."""
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+import torch.fx as fx
+
+from dejavu_compile import activations
+from dejavu_compile.compiler.blocks import MLPBlock
+from dejavu_compile.compiler.passes.graph_build import value_device
+from dejavu_compile.compiler.passes.graph_utils import shape_of
+from dejavu_compile.compiler.passes.lowering import cpu_lowering
+from dejavu_compile.compiler.passes.predictor_graph import emit_scores, int8_constants
+
+log = logging.getLogger("dejavu_compile")
+
+
+def takes_predictor_values(block: MLPBlock, entry, fallbacks) -> bool:
+    """Whether the block takes its kept neurons' values from the int8 predictor (entry.values ==
+    "predictor"). The int8 rows hold no biases: a block with gate or up biases keeps exact values,
+    reported."""
+    if entry.values != "predictor":
+        return False
+    if block.gate.bias_node is not None or block.up.bias_node is not None:
+        fallbacks.append((block.module, "gate/up biases: the int8 predictor's values leave them out, so the "
+                                        "kept neurons' values are computed exactly"))
+        return False
+    return True
+
+
+def previous_input(block: MLPBlock, ordered_blocks) -> fx.Node:
+    """The input of the block that runs before ``block`` (its lookahead source)."""
+    position = ordered_blocks.index(block)
+    own = block.nodes["input"]
+    for earlier in reversed(ordered_blocks[:position]):
+        if earlier.nodes["input"] is not own:
+            return earlier.nodes["input"]
+    return own
+
+
+def insert_selection(gm, graph, block, entry, ordered, values, opts=None):
+    """Predictor and top-k, right after the input they read (as early as their inputs allow).
+    The int8 predictor on CPU fp32 is one C++ op that scores and selects (``cpu_glu_int8_topk``).
+
+    Returns (flat (tokens, k) neuron or head ids, the node the predictor reads)."""
+    x = block.nodes["input"]
+    weight_node = block.up.node if isinstance(block, MLPBlock) else block.o.node
+    weight_value = values.get(weight_node)
+    dtype = weight_value.dtype if weight_value is not None else torch.float32
+    device = value_device(values, weight_node)
+    source = previous_input(block, ordered) if entry.lookahead else x
+    prefix = f"dejavu_L{block.layer}_{block.kind}"
+    fused = entry.nonlinearity == "glu_int8" and opts is not None and cpu_lowering(opts, weight_value) == "native"
+    with graph.inserting_before(source.next):
+        flat_source = graph.call_method("reshape", (source, -1, shape_of(source)[-1]))
+        if fused:
+            q, scale = int8_constants(gm, graph, entry, prefix, device)
+            scores = idx = graph.call_function(torch.ops.dejavu.cpu_glu_int8_topk.default,
+                                               (flat_source, q, scale, entry.k, activations.canonical(entry.activation)))
+        else:
+            scores = emit_scores(gm, graph, entry, flat_source, prefix, dtype, device)
+            top = graph.call_function(torch.topk, (scores, entry.k), {"dim": -1, "sorted": False})
+            idx = graph.call_function(operator.getitem, (top, 1))
+    for node in dict.fromkeys((scores, idx)):  # one node when the op fuses both: it is the predictor
+        node.meta["dejavu"] = {"role": "predictor" if node is scores else "topk", "layer": block.layer,
+                               "kind": block.kind, "reads": source.name, "lookahead": source is not x}
+    return idx, source
+

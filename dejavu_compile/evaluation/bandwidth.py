@@ -1,0 +1,46 @@
+"""The bandwidth bound of a plan: how much faster a purely bandwidth-bound decoder could run."""
+from __future__ import annotations
+
+from dejavu_compile.compiler.explain import matched_blocks
+from dejavu_compile.compiler.passes.sparse_attention import dense_query_reason, dense_reason
+
+
+def bandwidth_bound(model, plan) -> float:
+    """Dense weight bytes per decode step over the bytes the plan reads (kept MLP rows, only their
+    down rows when the plan takes their values from the int8 predictor, kept heads' query and output
+    rows, all other weights, and the predictors): the speedup a purely
+    bandwidth-bound decoder could reach. (KV-cache reads are left out: small at the short contexts
+    benchmarked here.) Attention blocks and query projections count as sparse exactly where the
+    backend lowers them so (``sparsify_attention.dense_reason`` / ``dense_query_reason``)."""
+    params = dict(model.named_parameters())
+    nbytes = lambda p: p.numel() * p.element_size()
+    element_size = next(iter(params.values())).element_size()
+    total = sum(nbytes(p) for p in {id(p): p for p in model.parameters()}.values())
+    # An input embedding reads one row per token; unless the output head shares it, leave it out.
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embed is not None and (head is None or head.weight is not embed.weight):
+        total -= nbytes(embed.weight)
+    def ref_bytes(ref) -> float:  # a fused weight (gate_up_proj, c_attn): only the rows this role owns
+        p = params[ref.name]
+        if ref.rows is None:
+            return nbytes(p)
+        return nbytes(p) * (ref.rows[1] - ref.rows[0]) / p.shape[0 if ref.layout == "out_in" else 1]
+
+    saved = 0.0
+    for block in matched_blocks(model):
+        entry = plan.entries.get((block.layer, block.kind))
+        if entry is None or entry.dense:
+            continue
+        if block.kind == "mlp" and entry.values == "predictor" and block.gated:
+            # kept neurons' values from the int8 predictor: gate and up not read, down rows kept
+            saved += sum(ref_bytes(ref) for ref in (block.gate, block.up) if ref.name in params)
+            sparse_refs = [block.down]
+        elif block.kind == "mlp":
+            sparse_refs = block.weights.values()
+        elif dense_reason(block) is not None:
+            continue
+        else:
+            sparse_refs = [block.o] + ([block.q] if dense_query_reason(block) is None else [])
+        sparse = sum(ref_bytes(ref) for ref in sparse_refs if ref.name in params)
+        saved += sparse * (1.0 - entry.k / entry.total) - entry.read_bytes(element_size)
+    return total / (total - saved)
