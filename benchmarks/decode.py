@@ -36,9 +36,10 @@ def synthetic_plan(model, density: float, rank: int, seed: int = 0, attn_density
         if attn_density < 1.0:
             parts.append(("attention", cfg.num_attention_heads, attn_density, 16))
         for kind, total, share, r in parts:
-            entries[(layer, kind)] = PlanEntry(layer, kind, max(1, round(total * share)), total,
-                                               A=torch.randn(d, r, generator=gen) / d ** 0.5,
-                                               B=torch.randn(r, total, generator=gen), lookahead=kind == "mlp" or layer > 0)
+            tensors = {"in_proj": torch.randn(d, r, generator=gen) / d ** 0.5,
+                       "out_proj": torch.randn(r, total, generator=gen)}
+            entries[(layer, kind)] = PlanEntry(layer, kind, max(1, round(total * share)), total, "twolayer", tensors,
+                                               lookahead=kind == "mlp" or layer > 0)
     return SparsityPlan(entries, model_fingerprint(model))
 
 
@@ -54,14 +55,14 @@ def synthetic_int8_plan(model, density: float):
     """The default plan's method on random weights: each MLP's own gate/up rows in int8, kept
     neurons' values from them (speed only)."""
     from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan, model_fingerprint
-    from dejavu_compile.plan.predictors import int8_glu_predictor
+    from dejavu_compile.plan.predictors.glu_int8 import int8_glu_predictor
 
     entries = {}
     for layer, block in enumerate(model.model.layers):
         t = int8_glu_predictor(block.mlp.gate_proj.weight, block.mlp.up_proj.weight)
-        total = t["A"].shape[0] // 2
-        entries[(layer, "mlp")] = PlanEntry(layer, "mlp", max(1, round(total * density)), total, t["A"], None, t["a"],
-                                            None, "glu_int8", model.config.hidden_act, values="predictor")
+        total = t["rows"].shape[0] // 2
+        entries[(layer, "mlp")] = PlanEntry(layer, "mlp", max(1, round(total * density)), total, "glu_int8", t,
+                                            model.config.hidden_act, values="predictor")
     return SparsityPlan(entries, model_fingerprint(model))
 
 

@@ -40,8 +40,8 @@ import torch.nn.functional as F
 
 from unittest import mock
 
-from dejavu_compile.kernels import native
-from dejavu_compile.kernels.mlp import _FUSED, _gather_activate, _gather_gemv
+from dejavu_compile.kernels.cpu import native
+from dejavu_compile.kernels.torch_impl import _FUSED, gather_activate, gather_gemv
 from dejavu_compile.kernels import (prepare_attention_weights, prepare_gated_mlp_weights,
                                     sparse_gated_mlp, sparse_head_attention)
 
@@ -259,7 +259,7 @@ def bench_bounds(shape, dtype, device, reps, densities, timer):
     out = {}
     med = lambda fn: statistics.median([timer(lambda: fn(i)) for i in range(reps + 2)][2:])
     out["dense_gemv_GBps"] = mat_bytes / med(lambda i: F.linear(x, mats[i % len(mats)])) / 1e9
-    fused = (torch.compile(_gather_activate, dynamic=True, fullgraph=True)
+    fused = (torch.compile(gather_activate, dynamic=True, fullgraph=True)
              if _FUSED["enabled"] and device.type == "cpu" else None)
     for dens in densities:
         k = max(1, round(dens * ff))
@@ -271,7 +271,7 @@ def bench_bounds(shape, dtype, device, reps, densities, timer):
         out[f"row_gather_GBps@{dens}"] = sel / med(lambda i: torch.index_select(mats[i % len(mats)], 0, pool[i % POOL], out=buf)) / 1e9
         pre = torch.empty(k, 1, 1, dtype=dtype, device=device)
         out[f"chunked_gather_gemv_GBps@{dens}"] = sel / med(
-            lambda i: _gather_gemv([mats[i % len(mats)]], pool[i % POOL], x.t(), pre)) / 1e9
+            lambda i: gather_gemv([mats[i % len(mats)]], pool[i % POOL], x.t(), pre)) / 1e9
         if fused is not None:
             out[f"fused_gather_gemv_GBps@{dens}"] = sel / med(
                 lambda i: fused(x, mats[i % len(mats)], None, pool[i % POOL][None], None, None, "relu")) / 1e9

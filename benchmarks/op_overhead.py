@@ -26,7 +26,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from dejavu_compile.evaluation.bench import machine_description
-    from dejavu_compile.kernels import native, prepare_gated_mlp_weights
+    from dejavu_compile.kernels import prepare_gated_mlp_weights
+    from dejavu_compile.kernels.cpu import native
 
     d, ff = 576, 1536
     gen = torch.Generator().manual_seed(0)

@@ -6,13 +6,14 @@ Each :class:`Activation` has
 - ``fn``: the torch function (any dtype); matching compares traced graphs against it numerically;
 - ``reference``: the float64 function tests compare kernels against (written independently of ``fn``);
 - ``code``: the integer the C kernel, the C++ ops and the Triton kernels switch on. The C and C++
-  sources get the codes as ``-DDEJAVU_ACT_<NAME>=<code>`` defines at build time
-  (``kernels/native.py``), the Triton kernels as ``tl.constexpr`` values, so the numbers live here
-  only.
+  sources get the codes and names from :func:`c_defines` at build time (``kernels/cpu/native.py``),
+  the Triton kernel as ``tl.constexpr`` values read from this table (``kernels/triton/mlp.py``), so
+  the names and numbers live here only.
 
-Adding an activation: one entry here, plus one case in each kernel backend's activation function
-(``kernels/cpu_sparse_mlp.c``, ``kernels/cpu_ops.cpp``, ``kernels/triton_mlp.py``); see
-``docs/extending.md``.
+Adding an activation: one entry here, plus one case in each kernel backend's activation function:
+``activate`` in ``kernels/cpu/cpu_sparse_mlp.c`` (the C++ ops include that file) and ``_act`` in
+``kernels/triton/mlp.py``. A missing case fails the C build and the Triton compile; the kernel tests
+run every activation of this table against its ``reference``.
 """
 from __future__ import annotations
 
@@ -38,6 +39,11 @@ def gelu_tanh(t: torch.Tensor) -> torch.Tensor:
     return F.gelu(t, approximate="tanh")
 
 
+def relu2(t: torch.Tensor) -> torch.Tensor:
+    """Squared ReLU (Primer; Nemotron's "relu2"); a named function so FX graphs can call it."""
+    return torch.relu(t).square()
+
+
 def _gelu_reference(t: torch.Tensor) -> torch.Tensor:
     return 0.5 * t * (1.0 + torch.erf(t / math.sqrt(2.0)))
 
@@ -52,6 +58,8 @@ BUILTIN: tuple[Activation, ...] = (
     Activation("gelu_tanh", ("gelu_tanh", "gelu_pytorch_tanh", "gelu_new", "gelu_fast"),
                gelu_tanh, _gelu_tanh_reference, 2),
     Activation("relu", ("relu",), F.relu, lambda t: t.clamp_min(0.0), 3),
+    Activation("relu2", ("relu2", "relu_squared", "squared_relu"), relu2,
+               lambda t: torch.where(t > 0, t * t, torch.zeros_like(t)), 4),
 )
 
 ACTIVATIONS: dict[str, Activation] = {a.name: a for a in BUILTIN}
@@ -78,5 +86,8 @@ def torch_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def c_defines() -> list[str]:
-    """Compiler flags naming each code for the C and C++ kernels (``-DDEJAVU_ACT_SILU=0`` ...)."""
-    return [f"-DDEJAVU_ACT_{a.name.upper()}={a.code}" for a in BUILTIN]
+    """Compiler flags that give the C and C++ kernels the table: ``-DDEJAVU_ACT_SILU=0`` ... for the
+    codes, and ``DEJAVU_ACTIVATIONS(X)``, an X-macro expanding to ``X(silu, SILU) X(gelu, GELU) ...``,
+    from which the sources build what needs every entry (an enum to switch on, the C++ name lookup)."""
+    entries = " ".join(f"X({a.name}, {a.name.upper()})" for a in BUILTIN)
+    return [*(f"-DDEJAVU_ACT_{a.name.upper()}={a.code}" for a in BUILTIN), f"-DDEJAVU_ACTIVATIONS(X)={entries}"]

@@ -11,9 +11,9 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(__
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import strategies as st
 
+from dejavu_compile import activations
 from dejavu_compile.kernels import _common
 
 # Relative tolerance per dtype, applied to a bound on the magnitude of the summed terms.
@@ -27,8 +27,29 @@ def poison(monkeypatch):
 
 
 def act64(t, activation):
-    return {"silu": F.silu, "relu": F.relu, "gelu": F.gelu, "none": lambda v: v,
-            "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}[activation](t)
+    """The activation table's float64 reference (written apart from the torch function the ops use)."""
+    return activations.get(activation).reference(t)
+
+
+def act_bound(a, activation):
+    """A bound on |act(t)| for |t| <= a - 1 that also bounds how far act moves when t moves by a
+    small multiple of a: a itself for the activations of slope <= 1.13 (silu, gelu, relu), act(a)
+    where act grows faster (squared ReLU: a^2 bounds both t^2 and 2|t| dt)."""
+    return torch.maximum(a, act64(a, activation).abs())
+
+
+def act_slope(a, activation):
+    """A bound on |act'(t)| for |t| <= a: 1.13 (the largest slope of silu, gelu and gelu_tanh), or
+    the secant over [a, a + 1] where act grows faster (convex, like squared ReLU)."""
+    return torch.clamp_min(act64(a + 1, activation) - act64(a, activation), 1.13)
+
+
+def int8_rows(gate, up):
+    """The int8 predictor's weights: gate then up rows, int8 per row with fp32 scales (max |w| -> 127),
+    as the plan's glu_int8 predictor quantizes them. Returns (rows (2F, d) int8, scales (2F,))."""
+    w = torch.cat([gate, up]).detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous(), scale.contiguous()
 
 
 def row_mask(idx, batch, size):
@@ -71,9 +92,9 @@ def mlp_reference(p, activation, gated):
         wg = f(p["w_gate"])
         g = x @ wg.T + (f(p["b_gate"]) if p["b_gate"] is not None else 0)
         g_abs = x.abs() @ wg.abs().T + (f(p["b_gate"]).abs() if p["b_gate"] is not None else 0)
-        h, h_abs = act64(g, activation) * u, (g_abs + 1) * u_abs
+        h, h_abs = act64(g, activation) * u, act_bound(g_abs + 1, activation) * u_abs
     else:
-        h, h_abs = act64(u, activation), u_abs + 1
+        h, h_abs = act64(u, activation), act_bound(u_abs + 1, activation)
     bd = f(p["b_down"]) if p["b_down"] is not None else 0
     return (h * m) @ wd + bd, (h_abs * m) @ wd.abs() + (bd.abs() if p["b_down"] is not None else 0) + 1
 

@@ -10,9 +10,10 @@ from dejavu_compile.calibration import budget  # noqa: E402
 from dejavu_compile.calibration.collect import collect  # noqa: E402
 from dejavu_compile.calibration.calibrate import calibrate  # noqa: E402
 from dejavu_compile.plan.sparsity_plan import SparsityPlan  # noqa: E402
-from dejavu_compile.plan.predictors import (  # noqa: E402
-    fit_glu_predictor, glu_scores, mass_captured, recall, teal_input_mask, train_predictor,
-)
+from dejavu_compile.plan.predictors.baselines import teal_input_mask  # noqa: E402
+from dejavu_compile.plan.predictors.glu_lowrank import fit_glu_predictor, glu_scores  # noqa: E402
+from dejavu_compile.plan.predictors.metrics import mass_captured, recall  # noqa: E402
+from dejavu_compile.plan.predictors.twolayer import train_predictor  # noqa: E402
 from dejavu_compile.experiments.quality import (  # noqa: E402
     MaskedSimulation, TealSelector, oracle_selector, perplexity, plan_selector, random_selector,
 )
@@ -77,15 +78,15 @@ def test_glu_predictor_recovers_planted_sparsity():
     assert recall(glu_scores(s.mlp_input[val], t1), s.mlp_importance[val], k) < recall(sc, s.mlp_importance[val], k) - 0.1
 
 
-@pytest.mark.parametrize("nonlinearity,loss", [("none", "bce"), ("relu", "soft")])
-def test_dejavu_predictor_learns_planted_relu_sparsity(nonlinearity, loss):
+@pytest.mark.parametrize("relu,loss", [(False, "bce"), (True, "soft")])
+def test_dejavu_predictor_learns_planted_relu_sparsity(relu, loss):
     # ReLU-MLP style planted sparsity (what Deja Vu was designed for): importance = relu(x W), W rank 4
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3000, 32, generator=g)
     W = torch.randn(32, 4, generator=g) @ torch.randn(4, 128, generator=g)
     imp = torch.relu(x @ W)
     k = 32
-    p = train_predictor(x[:2500], imp[:2500], k, rank=8, nonlinearity=nonlinearity, loss=loss, steps=200, lr=1e-2)
+    p = train_predictor(x[:2500], imp[:2500], k, rank=8, relu=relu, loss=loss, steps=200, lr=1e-2)
     with torch.no_grad():
         sc = p(x[2500:])
     r = recall(sc, imp[2500:], k)
@@ -226,7 +227,7 @@ def test_int8_predictor_selects_nearly_the_oracle_set():
         e = plan.entry(l, "mlp")
         assert not e.lookahead  # it is the block's own projection
         if not e.dense:
-            assert e.nonlinearity == "glu_int8" and e.A.dtype == torch.int8
+            assert e.predictor == "glu_int8" and e.tensors["rows"].dtype == torch.int8
             assert e.stats["recall"] > 0.9
             assert e.predictor_bytes() < 0.2 * 3 * FF * D * 4  # a sixth of the fp32 block (+ scales)
     lowrank = calibrate(model, None, predictor="lowrank", samples=samples, mlp_density=0.5, rank=4, progress=False, min_density=0.25)
@@ -337,7 +338,7 @@ def test_calibrate_plain_relu_mlp_learns_planted_sparsity():
     assert abs(plan.mlp_density - 0.25) < 0.05
     for l in range(L):
         e = plan.entry(l, "mlp")
-        assert e.nonlinearity == "none" and e.total == FF and not e.dense
+        assert e.predictor == "twolayer" and e.total == FF and not e.dense
         assert e.stats["recall"] > 0.9, e.stats
     # a rank-2 predictor of an unplanted model does much worse: the recall is earned
     unplanted = tiny_opt(planted=False)
@@ -375,3 +376,28 @@ def test_int8_predictor_on_a_plain_mlp_is_a_clear_error():
     samples, _ = collect(model, batches(2, 16), progress=False)
     with pytest.raises(ValueError, match="plain"):
         calibrate(model, None, samples=samples, predictor="int8", progress=False)
+
+
+def test_gemma_calibrates_with_its_own_activation():
+    """Per-block facts come from the matched blocks, not config attribute names: a Gemma config names
+    its activation `hidden_activation` (GELU-tanh) and has no `hidden_act`, so a plan built from the
+    config would score with SiLU. The int8 predictor's scores are |act(g~) * u~| with GELU-tanh, here
+    computed in float64 from the dequantized rows."""
+    from dejavu_compile.activations import ACTIVATIONS
+    from dejavu_compile.testing.tiny import tiny_model
+
+    model = tiny_model("gemma3_text", hidden_activation="gelu_pytorch_tanh")
+    assert not hasattr(model.config, "hidden_act")
+    ids = torch.randint(3, model.config.vocab_size, (4, 1, 48), generator=torch.Generator().manual_seed(0))
+    samples, _ = collect(model, list(ids), progress=False)
+    plan = calibrate(model, None, samples=samples, predictor="int8", mlp_density=0.5, progress=False,
+                     dense_when_unprofitable=False)
+    x = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    act = ACTIVATIONS["gelu_tanh"].reference
+    for layer in range(model.config.num_hidden_layers):
+        e = plan.entry(layer, "mlp")
+        assert e.predictor == "glu_int8" and e.activation == "gelu_tanh" and not e.dense
+        rows = e.tensors["rows"].double() * e.tensors["scales"].double()[:, None]
+        h = x.double() @ rows.T
+        want = (act(h[:, :e.total]) * h[:, e.total:]).abs()
+        torch.testing.assert_close(e.scores(x).double(), want, rtol=2e-3, atol=2e-3 * want.abs().max().item())

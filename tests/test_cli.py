@@ -19,9 +19,13 @@ def test_unknown_command_prints_usage(capsys):
     assert main(["--help"]) == 0
 
 
+def _twolayer(rank, total):
+    return {"in_proj": torch.zeros(64, rank), "out_proj": torch.zeros(rank, total)}
+
+
 def _plan(model, density, rank=4):
-    entries = {(l, "mlp"): PlanEntry(l, "mlp", round(128 * density), 128, A=torch.zeros(64, rank),
-                                     B=torch.zeros(rank, 128), lookahead=True) for l in range(2)}
+    entries = {(l, "mlp"): PlanEntry(l, "mlp", round(128 * density), 128, "twolayer", _twolayer(rank, 128),
+                                     lookahead=True) for l in range(2)}
     return SparsityPlan(entries, model_fingerprint(model))
 
 
@@ -47,7 +51,7 @@ def test_bandwidth_bound_by_hand():
     assert abs(bandwidth_bound(model, _plan(model, 0.5)) - expected) < 1e-9
     # Heads: 2 of 4 kept saves half of each q and o projection, less the head predictors.
     plan = _plan(model, 0.5)
-    plan.entries.update({(l, "attention"): PlanEntry(l, "attention", 2, 4, A=torch.zeros(64, 4), B=torch.zeros(4, 4),
+    plan.entries.update({(l, "attention"): PlanEntry(l, "attention", 2, 4, "twolayer", _twolayer(4, 4),
                                                      lookahead=l > 0) for l in range(2)})
     q_and_o = sum(p.numel() for name, p in model.named_parameters() if "q_proj" in name or "o_proj" in name)
     expected = total / (total - (0.5 * mlp - predictors) - (0.5 * q_and_o - 2 * (64 * 4 + 4 * 4)))
@@ -62,8 +66,8 @@ def _int8_values_plan(model, density):
         if block.kind == "mlp":
             F, d = block.intermediate_size, block.hidden_size
             entries[(block.layer, "mlp")] = PlanEntry(
-                block.layer, "mlp", round(F * density), F, torch.zeros(2 * F, d, dtype=torch.int8), None,
-                torch.ones(2 * F), None, "glu_int8", values="predictor")
+                block.layer, "mlp", round(F * density), F, "glu_int8",
+                {"rows": torch.zeros(2 * F, d, dtype=torch.int8), "scales": torch.ones(2 * F)}, values="predictor")
     return SparsityPlan(entries, model_fingerprint(model))
 
 

@@ -1,4 +1,4 @@
-"""The backend's C++ CPU decode ops (kernels/cpu_ops.cpp): dejavu::cpu_sparse_mlp against a float64
+"""The backend's C++ CPU decode ops (kernels/cpu/cpu_ops.cpp): dejavu::cpu_sparse_mlp against a float64
 dense masked reference, dejavu::cpu_glu_int8_topk and dejavu::cpu_glu_int8_mlp against float64
 values of the dequantized weights."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from tests.conftest_kernels import act64, assert_close, mlp_cases, mlp_problem, mlp_reference
-from dejavu_compile.kernels import ACTIVATIONS, int8_linear, native
-from dejavu_compile.plan.predictors import int8_glu_predictor
+from tests.conftest_kernels import act64, act_slope, assert_close, int8_rows, mlp_cases, mlp_problem, mlp_reference
+from dejavu_compile.kernels import ACTIVATIONS, int8_linear
+from dejavu_compile.kernels.cpu import native
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(not native.load_ops(), reason=f"C++ ops unavailable: {native._OPS['error']}")
@@ -49,8 +49,8 @@ def test_cpu_sparse_mlp_matches_masked_dense(case, activation, gated, stacked, d
 def int8_problem(seed, batch, d, n):
     g = torch.Generator().manual_seed(seed)
     wg, wu = torch.randn(n, d, generator=g) / d ** 0.5, torch.randn(n, d, generator=g) / d ** 0.5
-    t = int8_glu_predictor(wg, wu)
-    return torch.randn(batch, d, generator=g), t["A"].contiguous(), t["a"].float().contiguous()
+    rows, scales = int8_rows(wg, wu)
+    return torch.randn(batch, d, generator=g), rows, scales
 
 
 def int8_scores64(x, w_int8, scale, activation):
@@ -66,6 +66,10 @@ def int8_scores64(x, w_int8, scale, activation):
 def test_cpu_glu_int8_topk_keeps_the_top_scores(seed, batch, d, n, share, activation, threads):
     """d and F off every vector width (the kernel's tails), odd F (its last pair), k from 1 to F:
     ids ascending, distinct, in range, and no neuron left out scores clearly above one kept."""
+    _check_int8_topk(seed, batch, d, n, share, activation, threads)
+
+
+def _check_int8_topk(seed, batch, d, n, share, activation, threads):
     x, w_int8, scale = int8_problem(seed, batch, d, n)
     k = max(1, round(share * n))
     before = torch.get_num_threads()
@@ -100,6 +104,10 @@ def test_cpu_glu_int8_mlp_sums_the_predictors_values(seed, batch, d, n, d_out, s
     """The block from the int8 predictor's own values: it keeps what cpu_glu_int8_topk keeps (the
     same scores), and its output is sum over kept j of act(g~_j) * u~_j * w_down_t[j] (+ b_down),
     against float64 on the op's ids; k from 1 to F, down widths unlike d, 1-3 threads."""
+    _check_int8_mlp(seed, batch, d, n, d_out, share, activation, bias, threads)
+
+
+def _check_int8_mlp(seed, batch, d, n, d_out, share, activation, bias, threads):
     x, w_int8, scale = int8_problem(seed, batch, d, n)
     g = torch.Generator().manual_seed(seed + 1)
     w_down_t = torch.randn(n, d_out, generator=g)
@@ -118,20 +126,34 @@ def test_cpu_glu_int8_mlp_sums_the_predictors_values(seed, batch, d, n, d_out, s
     w = w_down_t.double()
     ref = kept @ w + (0 if b_down is None else b_down.double())
     # x goes to int16 inside the op (rounding <= half a step of max|x| / (2^bits - 1), bits as the
-    # kernel picks them), which moves each g and u by at most that times the row's L1 norm; act has
-    # slope <= 1.13, so act(g) * u moves by at most dh (products of errors included). On top, float32
-    # rounding of the sums.
+    # kernel picks them), which moves each g and u by at most that times the row's L1 norm; act's
+    # slope is at most `slope` there, so act(g) * u moves by at most dh (products of errors included).
+    # On top, float32 rounding of the sums.
     bits = min(15, 24 - max(0, (d - 1).bit_length()))
     half_step = x.double().abs().amax(1, keepdim=True) / (2 ** bits - 1) / 2
     rows = (w_int8.double() * scale.double()[:, None]).abs().sum(1)
     h = x.double() @ (w_int8.double() * scale.double()[:, None]).T
     err_g, err_u = half_step * rows[:n], half_step * rows[n:]
     g_act = act64(h[:, :n], activation).abs()
-    dh = 1.13 * err_g * (h[:, n:].abs() + err_u) + (g_act + 1.13 * err_g) * err_u
+    slope = act_slope(h[:, :n].abs() + err_g, activation)
+    dh = slope * err_g * (h[:, n:].abs() + err_u) + (g_act + slope * err_g) * err_u
     tol = 1e-4 * (kept.abs() @ w.abs() + (0 if b_down is None else b_down.double().abs())) + 2 * (dh * kept_ids) @ w.abs()
     assert torch.isfinite(out).all()
     err = (out.double() - ref).abs()
     assert bool((err <= tol + 1e-30).all()), (err / (tol + 1e-30)).max()
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_every_table_activation(activation):
+    """Each activation of the table through the three ops on fixed problems (the property tests
+    above draw activations at random; this makes each one certain)."""
+    for gated in (True, False):
+        p = mlp_problem(seed=11, batch=3, d=37, n=64, k=40, dtype=torch.float32, gated=gated, per_row=True,
+                        biases=True, d_out=29)
+        ref, bound = mlp_reference(p, activation, gated=gated)
+        assert_close(sparse_mlp_op(p, activation, gated), ref, bound, torch.float32, f"cpu_sparse_mlp {activation}")
+    _check_int8_topk(seed=5, batch=3, d=70, n=51, share=0.4, activation=activation, threads=2)
+    _check_int8_mlp(seed=5, batch=3, d=70, n=51, d_out=33, share=0.4, activation=activation, bias=True, threads=2)
 
 
 def test_int8_scores_agree_with_int8_linear():

@@ -8,16 +8,17 @@ from hypothesis import given, settings, strategies as st
 
 from unittest import mock
 
-from dejavu_compile.kernels import int8_linear, native
-from dejavu_compile.plan.predictors import int8_glu_predictor
+from tests.conftest_kernels import int8_rows
+from dejavu_compile.kernels import int8_linear
+from dejavu_compile.kernels.cpu import native
 
 
 def _problem(seed, batch, d, n):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, d, generator=g, dtype=torch.float64)
     x = torch.randn(batch, d, generator=g, dtype=torch.float64)
-    t = int8_glu_predictor(w[: n // 2].float(), w[n // 2:].float())
-    return x, t["A"], t["a"], x @ w.T
+    rows, scales = int8_rows(w[: n // 2].float(), w[n // 2:].float())
+    return x, rows, scales, x @ w.T
 
 
 @settings(max_examples=25, deadline=None)

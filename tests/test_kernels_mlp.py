@@ -14,8 +14,8 @@ from tests.conftest_kernels import assert_close, mlp_cases, mlp_problem, mlp_ref
 from dejavu_compile.kernels import (ACTIVATIONS, prepare_gated_mlp_weights, prepare_mlp_weights,
                                     prepared_overhead, sparse_gated_mlp, sparse_gated_mlp_torch,
                                     sparse_mlp, sparse_mlp_torch)
-from dejavu_compile.kernels import mlp as mlp_mod
-from dejavu_compile.kernels import native
+from dejavu_compile.kernels import torch_impl
+from dejavu_compile.kernels.cpu import native
 
 torch.set_num_threads(1)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -30,7 +30,7 @@ def _nan_out(p):
        stacked=st.booleans(), small_chunks=st.booleans(), use_native=st.booleans())
 def test_sparse_gated_mlp_matches_masked_dense(case, dtype, activation, stacked, small_chunks, use_native, poison):
     # small_chunks: several gather chunks even on small shapes; use_native=False: the torch path in fp32 too
-    with mock.patch.object(mlp_mod, "CHUNK_BYTES", 1 if small_chunks else mlp_mod.CHUNK_BYTES), \
+    with mock.patch.object(torch_impl, "CHUNK_BYTES", 1 if small_chunks else torch_impl.CHUNK_BYTES), \
             mock.patch.dict(native._STATE, enabled=use_native and native._STATE["enabled"]):
         _check_gated(case, dtype, activation, stacked)
 
@@ -42,7 +42,7 @@ def _check_gated(case, dtype, activation, stacked):
     if stacked:  # the (F, 2, d) layout of prepare_gated_mlp_weights: one gather for both
         prep = prepare_gated_mlp_weights(wg, wu, p["w_down_t"].t())
         wg, wu = prep["w_gate"], prep["w_up"]
-        assert mlp_mod._stacked_rows(wg, wu) is not None
+        assert torch_impl.stacked_rows(wg, wu) is not None
     out = sparse_gated_mlp_torch(p["x"], wg, wu, p["w_down_t"], p["idx"], activation,
                                  p["b_gate"], p["b_up"], p["b_down"], out=_nan_out(p))
     assert_close(out, ref, bound, dtype, "torch path")
@@ -69,6 +69,20 @@ def _check_plain(case, dtype, activation):
     assert_close(op_out, ref, bound, dtype, "custom op")
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("path", ["c", "torch"])
+def test_every_table_activation(activation, path, native_calls, poison):
+    """Each activation of the table through the C kernel and the torch path on a fixed problem (the
+    property tests draw activations at random; this makes each one certain)."""
+    if path == "c" and not native.available():
+        pytest.skip(f"C kernel unavailable: {native._STATE['error']}")
+    case = dict(seed=11, batch=3, d=37, n=64, k=40, per_row=True, biases=True)
+    with mock.patch.dict(native._STATE, enabled=path == "c"):
+        _check_gated(case, torch.float32, activation, stacked=True)
+        _check_plain(case, torch.float32, activation)
+    assert len(native_calls) == (4 if path == "c" else 0)  # two calls (function, op) per check
+
+
 @st.composite
 def fused_cases(draw):
     """Sizes >= 2 (dynamic-shape graphs specialise on 1: fewer compiles), per-row and shared idx."""
@@ -81,16 +95,16 @@ def fused_cases(draw):
 def fused_on_small_shapes(monkeypatch):
     """Large calls take the Inductor-fused gather; force it on the small test shapes, and fail if
     the chunked path runs where the fused one should."""
-    monkeypatch.setattr(mlp_mod, "FUSED_MIN_ELEMENTS", 0)
-    monkeypatch.setitem(mlp_mod._FUSED, "enabled", True)
+    monkeypatch.setattr(torch_impl, "FUSED_MIN_ELEMENTS", 0)
+    monkeypatch.setitem(torch_impl._FUSED, "enabled", True)
     monkeypatch.setitem(native._STATE, "enabled", False)  # the C kernel would take fp32 calls
-    chunked = mlp_mod._chunked_gather_activate
+    chunked = torch_impl.chunked_gather_activate
 
     def only_shared_batches(x, w_a, w_b, idx, *args):
         assert idx.dim() == 1 and x.shape[0] > 1, "the fused path should have run"
         return chunked(x, w_a, w_b, idx, *args)
 
-    monkeypatch.setattr(mlp_mod, "_chunked_gather_activate", only_shared_batches)
+    monkeypatch.setattr(torch_impl, "chunked_gather_activate", only_shared_batches)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -127,20 +141,20 @@ def test_fused_cpu_gather_accepts_parameters_with_grad(fused_on_small_shapes):
 def test_fused_cpu_gather_falls_back_when_inductor_fails(monkeypatch):
     """No C++ compiler (or any Inductor failure): one warning, then the chunked path, same result."""
     monkeypatch.setitem(native._STATE, "enabled", False)
-    monkeypatch.setattr(mlp_mod, "FUSED_MIN_ELEMENTS", 0)
-    monkeypatch.setitem(mlp_mod._FUSED, "enabled", True)
+    monkeypatch.setattr(torch_impl, "FUSED_MIN_ELEMENTS", 0)
+    monkeypatch.setitem(torch_impl._FUSED, "enabled", True)
 
     def broken(*args):
         raise RuntimeError("no compiler")
 
-    monkeypatch.setitem(mlp_mod._FUSED, "fn", broken)
+    monkeypatch.setitem(torch_impl._FUSED, "fn", broken)
     case = dict(seed=3, batch=2, d=24, n=50, k=20, per_row=True, biases=False)
     p = mlp_problem(dtype=torch.float32, gated=True, **case)
     ref, bound = mlp_reference(p, "silu", gated=True)
     with pytest.warns(RuntimeWarning, match="chunked torch path"):
         out = sparse_gated_mlp_torch(p["x"], p["w_gate"], p["w_up"], p["w_down_t"], p["idx"], "silu")
     assert_close(out, ref, bound, torch.float32, "fallback")
-    assert mlp_mod._FUSED["enabled"] is False
+    assert torch_impl._FUSED["enabled"] is False
 
 
 def test_reference_detects_a_dropped_neuron():
@@ -239,14 +253,14 @@ def test_package_imports_and_runs_without_triton():
             "import torch, dejavu_compile.kernels as K\n"
             "x = torch.randn(1, 8); w = torch.randn(10, 8)\n"
             "print(K.sparse_gated_mlp(x, w, w, w, torch.tensor([1, 2]), 'relu').shape)\n"
-            "assert 'dejavu_compile.kernels.triton_mlp' not in sys.modules\n")
+            "assert 'dejavu_compile.kernels.triton.mlp' not in sys.modules\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "torch.Size([1, 8])" in res.stdout
 
 
 # ---------------------------------------------------------------------------------------------
-# the C kernel (native.py): fp32 CPU calls take it when it builds
+# the C kernel (cpu/native.py): fp32 CPU calls take it when it builds
 
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"C kernel unavailable: {native._STATE['error']}")
@@ -347,3 +361,35 @@ def test_native_kernel_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
     assert native._build(cc) == first and first.stat().st_mtime_ns == stamp
     monkeypatch.setattr(native, "_cpu_key", lambda: "another CPU")
     assert native._build(cc) != first
+    monkeypatch.undo()
+    monkeypatch.setenv("DEJAVU_CACHE", str(tmp_path))
+    # the activation table's defines are flags: another table (here, one more flag) is another build
+    assert native._build(cc, flags=(*native.FLAGS, "-DDEJAVU_UNUSED=1")) != first
+    edited = tmp_path / native.SOURCE.name
+    edited.write_text(native.SOURCE.read_text() + "\n/* edited */\n")
+    assert native._build(cc, source=edited) != first
+
+
+def _table_flags(extra_name: str = "", extra_code: int = 99) -> tuple:
+    """The C build flags, with one more activation in the table when extra_name is given."""
+    from dejavu_compile import activations
+    entries = " ".join(f"X({a.name}, {a.name.upper()})" for a in activations.BUILTIN)
+    codes = [f"-DDEJAVU_ACT_{a.name.upper()}={a.code}" for a in activations.BUILTIN]
+    if extra_name:
+        entries += f" X({extra_name}, {extra_name.upper()})"
+        codes.append(f"-DDEJAVU_ACT_{extra_name.upper()}={extra_code}")
+    flags = [f for f in native.FLAGS if not f.startswith("-DDEJAVU_")]
+    return (*flags, *codes, f"-DDEJAVU_ACTIVATIONS(X)={entries}")
+
+
+@needs_native
+def test_native_build_needs_a_case_for_every_table_entry(monkeypatch, tmp_path):
+    """The C kernel switches on the table's codes: a table entry without a case, or a build without
+    the table's defines, is a compile error rather than a silent default."""
+    monkeypatch.setenv("DEJAVU_CACHE", str(tmp_path))
+    cc = native._compiler()
+    assert native._build(cc, flags=_table_flags()).exists()  # the same table, spelled out here
+    with pytest.raises(RuntimeError, match="ACT_ENUM_SWISHY"):
+        native._build(cc, flags=_table_flags("swishy"))
+    with pytest.raises(RuntimeError, match="c_defines"):
+        native._build(cc, flags=tuple(f for f in native.FLAGS if not f.startswith("-DDEJAVU_")))

@@ -1,7 +1,7 @@
 """Triton kernels under the interpreter (TRITON_INTERPRET=1) on CPU tensors, small shapes.
 
 Triton reads TRITON_INTERPRET when ``@triton.jit`` decorates a kernel, i.e. when
-``dejavu_compile.kernels.triton_mlp`` is first imported in the process. So the variable is set here,
+``dejavu_compile.kernels.triton.mlp`` is first imported in the process. So the variable is set here,
 before that import; nothing else imports the module on a CPU-only run (the ops import it lazily on
 their CUDA path). If it was imported earlier without the variable, the launchers raise and these
 tests are skipped with the reason. On a GPU machine the same tests run the compiled kernels on CUDA.
@@ -9,6 +9,7 @@ tests are skipped with the reason. On a GPU machine the same tests run the compi
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -21,15 +22,15 @@ pytest.importorskip("triton")
 from tests.conftest_kernels import (assert_close, attention_cases, attention_problem, attention_reference,  # noqa: E402,F401
                               attn_args, mlp_cases, mlp_problem, mlp_reference, poison)
 from dejavu_compile.kernels import ACTIVATIONS, prepare_gated_mlp_weights  # noqa: E402
-from dejavu_compile.kernels import triton_mlp  # noqa: E402
-from dejavu_compile.kernels.attention import sparse_head_attention_triton  # noqa: E402
+from dejavu_compile.kernels.triton import mlp as triton_mlp  # noqa: E402
+from dejavu_compile.kernels.triton.attention import sparse_head_attention_triton  # noqa: E402
 
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 INTERPRETED = triton_mlp.interpreted()
 pytestmark = pytest.mark.skipif(not CUDA and not INTERPRETED,
-                                reason="triton_mlp was imported before TRITON_INTERPRET=1 was set")
+                                reason="kernels.triton.mlp was imported before TRITON_INTERPRET=1 was set")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]  # kernels compute in fp32, so bf16 is right interpreted too
 torch.set_num_threads(1)
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -70,6 +71,34 @@ def test_sparse_mlp_triton(case, dtype, activation, poison):
     out = triton_mlp.sparse_mlp_triton(p["x"], p["w_up"], p["b_up"], p["w_down_t"], p["b_down"],
                                        p["idx"], activation)
     assert_close(out, ref, bound, dtype, "triton plain")
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_every_table_activation_triton(activation, poison):
+    """Each activation of the table on a fixed problem, gated and plain (the property tests above
+    draw activations at random; this makes each one certain)."""
+    for gated in (True, False):
+        p = mlp_problem(seed=11, batch=3, d=37, n=64, k=40, dtype=torch.float32, gated=gated, per_row=True,
+                        biases=True)
+        ref, bound = mlp_reference(p, activation, gated=gated)
+        p = _to(p)
+        if gated:
+            out = triton_mlp.sparse_gated_mlp_triton(p["x"], p["w_gate"], p["w_up"], p["w_down_t"], p["idx"],
+                                                     activation, p["b_gate"], p["b_up"], p["b_down"])
+        else:
+            out = triton_mlp.sparse_mlp_triton(p["x"], p["w_up"], p["b_up"], p["w_down_t"], p["b_down"], p["idx"],
+                                               activation)
+        assert_close(out, ref, bound, torch.float32, f"triton {activation}")
+
+
+def test_activation_without_a_case_fails_to_compile():
+    """A code _act has no branch for stops the kernel's compile (tl.static_assert), not a silent
+    identity."""
+    x, w = torch.randn(1, 8, device=DEVICE), torch.randn(10, 8, device=DEVICE)
+    rows = torch.tensor([[1, 2]], device=DEVICE)
+    with mock.patch.dict(triton_mlp.activations.ACTIVATIONS, unknown=mock.Mock(code=99)), \
+            pytest.raises(Exception, match="without a case"):
+        triton_mlp.gather_gemv(x, w, None, None, None, rows, "unknown")
 
 
 @settings(max_examples=40, **SETTINGS)

@@ -14,7 +14,7 @@ from dejavu_compile.testing.tiny import ARCHITECTURES, tiny_model
 
 # The activation each HF config name must be recognised as (the matcher checks numerically).
 HF_ACTIVATION = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-                 "relu": "relu", "gelu": "gelu", "gelu_fast": "gelu_tanh"}
+                 "relu": "relu", "gelu": "gelu", "gelu_fast": "gelu_tanh", "relu2": "relu2"}
 
 
 def _hidden_act(config):
@@ -54,7 +54,7 @@ def test_explain_matches_every_layer(arch, attn):
         else:
             assert (block.num_heads, block.num_kv_heads, block.head_dim) == (heads, kv_heads, 64 // heads)
             assert block.attention == attn
-            assert block.rotary == {"opt": "none", "gpt2": "none", "gpt_neox": "partial"}.get(arch, "full")
+            assert block.rotary == {"opt": "none", "gpt2": "none", "gpt_neox": "partial", "nemotron": "partial"}.get(arch, "full")
             assert block.cache == "cat"
             # Head h of q must read the rows of its own slice of the (possibly fused) weight.
             rows = block.nodes["head_rows"]["q"]
@@ -156,20 +156,20 @@ def test_decode_graphs_are_matched_and_marked(arch, cache):
         assert report.match.fallbacks == []
 
 
-class SquaredReLUMLP(nn.Module):
+class CubedReLUMLP(nn.Module):
     def __init__(self, d=32, f=96):
         super().__init__()
         self.up = nn.Linear(d, f)
         self.down = nn.Linear(f, d)
 
     def forward(self, x):
-        return self.down(torch.relu(self.up(x)) ** 2)
+        return self.down(torch.relu(self.up(x)) ** 3)  # no built-in activation
 
 
-class TinySquaredReLUModel(nn.Module):
+class TinyCubedReLUModel(nn.Module):
     def __init__(self, layers=2):
         super().__init__()
-        self.layers = nn.ModuleList(SquaredReLUMLP() for _ in range(layers))
+        self.layers = nn.ModuleList(CubedReLUMLP() for _ in range(layers))
         self.norm = nn.LayerNorm(32)
 
     def forward(self, x):
@@ -189,19 +189,19 @@ def registered(rule):
 
 
 def test_user_rule_teaches_a_custom_mlp():
-    model = TinySquaredReLUModel().eval()
+    model = TinyCubedReLUModel().eval()
     x = torch.randn(1, 3, 32)
     before = dejavu_compile.explain(model, x)
     assert before.mlp_matched == 0
     assert any("not act(up)" in why for _, why in before.fallbacks), before.fallbacks
 
-    with registered(MLPRule("squared_relu", {"relu2": lambda t: torch.relu(t) ** 2})) as rule:
+    with registered(MLPRule("cubed_relu", {"relu3": lambda t: torch.relu(t) ** 3})) as rule:
         assert dejavu_compile.registered_rules()[0] is rule  # user rules run before the built-ins
         torch._dynamo.reset()
         after = dejavu_compile.explain(model, x)
     assert after.mlp_matched == 2
     assert {(b.rule, b.activation, b.up.name) for b in after.blocks} == {
-        ("squared_relu", "relu2", f"layers.{i}.up.weight") for i in range(2)}
+        ("cubed_relu", "relu3", f"layers.{i}.up.weight") for i in range(2)}
     assert not any("layers." in where and "mlp" in why.lower() for where, why in after.fallbacks)
 
 
@@ -221,7 +221,7 @@ class LeakyMLP(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.mlp = SquaredReLUMLP()
+        self.mlp = CubedReLUMLP()
         self.mlp.forward = self._forward
         self.probe = None
 
@@ -285,7 +285,7 @@ def test_training_mode_passes_through_dense_with_a_warning():
 
 
 def test_inputs_requiring_grad_pass_through_dense_with_a_warning():
-    mlp = SquaredReLUMLP().eval()
+    mlp = CubedReLUMLP().eval()
     x = torch.randn(2, 32, requires_grad=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

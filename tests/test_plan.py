@@ -32,7 +32,7 @@ def test_round_trip(tmp_path, model_and_plan):
     x = torch.randn(7, model.config.hidden_size)
     for key, e in plan.entries.items():
         b = back.entries[key]
-        assert (b.k, b.total, b.nonlinearity, b.lookahead) == (e.k, e.total, e.nonlinearity, e.lookahead)
+        assert (b.k, b.total, b.predictor, b.lookahead) == (e.k, e.total, e.predictor, e.lookahead)
         assert torch.equal(b.select(x), e.select(x))
     assert back.settings["target_mlp_density"] == 0.5
     assert back.fingerprint == plan.fingerprint
@@ -103,7 +103,8 @@ def test_corrupt_or_partial_directory_is_a_clear_error(tmp_path, model_and_plan)
 def test_entry_shape_validation(tmp_path):
     model = tiny_llama(planted=False)
     plan = SparsityPlan.dense(model)
-    plan.entries[(0, "mlp")] = PlanEntry(0, "mlp", 10, FF, torch.randn(64, 4), torch.randn(5, FF))
+    plan.entries[(0, "mlp")] = PlanEntry(0, "mlp", 10, FF, "twolayer",
+                                         {"in_proj": torch.randn(64, 4), "out_proj": torch.randn(5, FF)})
     plan.save(tmp_path)
     with pytest.raises(ValueError, match="do not fit"):
         SparsityPlan.load(tmp_path)
@@ -121,11 +122,11 @@ def test_int8_plan_round_trip(tmp_path):
     x = torch.randn(5, model.config.hidden_size)
     for key, e in plan.entries.items():
         b = back.entries[key]
-        assert b.nonlinearity == e.nonlinearity and b.values == e.values
-        if b.A is not None:
-            assert b.A.dtype == torch.int8 and torch.equal(b.A, e.A)
+        assert b.predictor == e.predictor and b.values == e.values
+        if "rows" in b.tensors:
+            assert b.tensors["rows"].dtype == torch.int8 and torch.equal(b.tensors["rows"], e.tensors["rows"])
         assert torch.equal(b.select(x), e.select(x))
-    bad = PlanEntry(0, "mlp", 8, FF, torch.zeros(2 * FF, 64), None, torch.ones(2 * FF), None, "glu_int8")
+    bad = PlanEntry(0, "mlp", 8, FF, "glu_int8", {"rows": torch.zeros(2 * FF, 64), "scales": torch.ones(2 * FF)})
     with pytest.raises(ValueError, match="int8"):
         SparsityPlan({(0, "mlp"): bad}, plan.fingerprint).save(tmp_path / "q")
         SparsityPlan.load(tmp_path / "q")
@@ -156,7 +157,119 @@ def test_values_round_trip_and_validation(tmp_path):
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="corrupt"):
         SparsityPlan.load(tmp_path / "p")
-    lowrank = PlanEntry(0, "mlp", 10, FF, torch.randn(64, 4), torch.randn(4, FF), values="predictor")
+    lowrank = PlanEntry(0, "mlp", 10, FF, "twolayer", {"in_proj": torch.randn(64, 4), "out_proj": torch.randn(4, FF)},
+                        values="predictor")
     SparsityPlan({(0, "mlp"): lowrank}, plan.fingerprint).save(tmp_path / "q")
     with pytest.raises(ValueError, match="values 'predictor' needs the int8"):
         SparsityPlan.load(tmp_path / "q")
+
+
+# Format 1, spelled out here rather than derived from the code that reads it: each predictor was a
+# "nonlinearity" with tensors A, B, a, b.
+V1_FORMAT = {
+    "twolayer": ("none", {"in_proj": "A", "out_proj": "B", "in_bias": "a", "out_bias": "b"}),
+    "twolayer_relu": ("relu", {"in_proj": "A", "out_proj": "B", "in_bias": "a", "out_bias": "b"}),
+    "glu_lowrank": ("glu", {"in_proj": "A", "in_bias": "a", "out_proj": "B"}),
+    "glu_int8": ("glu_int8", {"rows": "A", "scales": "a"}),
+    "glu_int4": ("glu_int4", {"codes": "A", "scales": "a", "bias": "b"}),
+    None: ("dense", {}),
+}
+
+
+def write_format_1(plan, directory) -> None:
+    """`plan` as format version 1 wrote it (plan.json + predictors.safetensors)."""
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True)
+    tensors, records = {}, []
+    for (layer, kind), e in sorted(plan.entries.items()):
+        nonlinearity, names = V1_FORMAT[e.predictor]
+        for name, t in e.tensors.items():
+            tensors[f"{layer}.{kind}.{names[name]}"] = t.detach().contiguous()
+        records.append({"layer": layer, "kind": kind, "k": e.k, "total": e.total, "nonlinearity": nonlinearity,
+                        "activation": e.activation, "lookahead": e.lookahead, "values": e.values,
+                        "tensors": sorted(names[n] for n in e.tensors), "stats": e.stats})
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].numpy().tobytes())
+    save_file(tensors, str(directory / "predictors.safetensors"))
+    meta = {"format": "dejavu-compile-plan", "version": 1, "fingerprint": plan.fingerprint,
+            "settings": plan.settings, "entries": records, "tensors_sha256": digest.hexdigest()}
+    (directory / "plan.json").write_text(json.dumps(meta))
+
+
+def test_format_1_plans_load_converted(tmp_path, model_and_plan):
+    """A plan written in format 1 (A/B/a/b + nonlinearity) loads with every kind's tensors renamed and
+    selects the same neurons and heads; saving it again writes the current format."""
+    from dejavu_compile.calibration.calibrate import calibrate
+    from dejavu_compile.calibration.collect import collect
+    from dejavu_compile.plan.predictors.glu_int4 import fit_int4_glu_predictor
+    from dejavu_compile.plan.predictors.twolayer import train_predictor
+    from dejavu_compile.plan.sparsity_plan import FORMAT_VERSION
+
+    model, plan = model_and_plan
+    samples, _ = collect(model, batches(2, 48), progress=False)
+    int8 = calibrate(model, None, samples=samples, mlp_density=0.5, predictor="int8", progress=False,
+                     dense_when_unprofitable=False)
+    s = samples[0]
+    mlp = model.model.layers[0].mlp
+    entries = dict(plan.entries)
+    entries[(0, "mlp")] = int8.entry(0, "mlp")
+    int4 = fit_int4_glu_predictor(s.attn_input, mlp.gate_proj.weight, mlp.up_proj.weight, x_block=s.mlp_input)
+    entries[(1, "mlp")] = PlanEntry(1, "mlp", FF // 2, FF, "glu_int4", int4, lookahead=True)
+    relu = train_predictor(s.attn_input, s.attn_importance, 2, rank=4, relu=True, steps=5).tensors()
+    entries[(1, "attention")] = PlanEntry(1, "attention", 2, H, "twolayer_relu", relu)
+    plain = train_predictor(s.attn_input, s.attn_importance, 2, rank=4, steps=5).tensors()
+    entries[(0, "attention")] = PlanEntry(0, "attention", 2, H, "twolayer", plain)
+    mixed = SparsityPlan(entries, plan.fingerprint, plan.settings)
+    assert {e.predictor for e in mixed.entries.values()} == {"glu_int8", "glu_int4", "twolayer", "twolayer_relu"}
+    assert {e.predictor for e in plan.entries.values()} >= {"glu_lowrank", "twolayer"}
+    assert any(e.predictor is None for e in SparsityPlan.dense(model).entries.values())
+
+    for original in (mixed, SparsityPlan.dense(model), plan):
+        d = tmp_path / f"v1_{id(original)}"
+        write_format_1(original, d)
+        back = SparsityPlan.load(d, model=model)
+        x = torch.randn(5, model.config.hidden_size)
+        for key, e in original.entries.items():
+            b = back.entries[key]
+            assert (b.predictor, b.k, b.values, b.lookahead, b.activation) == (e.predictor, e.k, e.values, e.lookahead,
+                                                                               e.activation)
+            assert set(b.tensors) == set(e.tensors)
+            assert all(torch.equal(b.tensors[n], t) and b.tensors[n].dtype == t.dtype for n, t in e.tensors.items())
+            assert torch.equal(b.select(x), e.select(x))
+        back.save(tmp_path / "again")
+        assert json.loads((tmp_path / "again" / "plan.json").read_text())["version"] == FORMAT_VERSION
+        SparsityPlan.load(tmp_path / "again", model=model)
+        import shutil
+
+        shutil.rmtree(tmp_path / "again")
+
+
+def test_unknown_format_versions_are_clear_errors(tmp_path, model_and_plan):
+    _, plan = model_and_plan
+    plan.save(tmp_path)
+    meta = json.loads((tmp_path / "plan.json").read_text())
+    meta["version"] = 7
+    (tmp_path / "plan.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="version 7, newer than this code reads"):
+        SparsityPlan.load(tmp_path)
+    meta["version"] = "two"
+    (tmp_path / "plan.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="unknown plan format version 'two'"):
+        SparsityPlan.load(tmp_path)
+
+
+def test_unknown_predictor_kind_is_a_clear_error(tmp_path, model_and_plan):
+    _, plan = model_and_plan
+    with pytest.raises(ValueError, match="unknown predictor kind 'glu_int3'.*glu_int4"):
+        PlanEntry(0, "mlp", 8, FF, "glu_int3", {})
+    plan.save(tmp_path)
+    meta = json.loads((tmp_path / "plan.json").read_text())
+    meta["entries"][0]["predictor"] = "glu_int3"
+    (tmp_path / "plan.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="corrupt: bad entry.*glu_int3"):
+        SparsityPlan.load(tmp_path)

@@ -9,8 +9,9 @@ from hypothesis import given, settings, strategies as st
 from dejavu_compile.calibration.calibrate import calibrate
 from dejavu_compile.calibration.collect import collect
 from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan
-from dejavu_compile.plan.predictors import (dequantize_int4, fit_int4_glu_predictor, int4_glu_scores, pack_int4, recall,
-                                       unpack_int4)
+from dejavu_compile.plan.predictors.glu_int4 import (dequantize_int4, fit_int4_glu_predictor, int4_glu_scores,
+                                                  pack_int4, unpack_int4)
+from dejavu_compile.plan.predictors.metrics import recall
 from test_calibration import D, FF, L, batches, tiny_llama, tiny_opt  # noqa: E402
 
 
@@ -39,9 +40,9 @@ def test_codes_round_trip_and_rows_on_the_grid_are_fitted_exactly(rows, groups, 
     scales = (torch.rand(2 * rows, groups, generator=gen) + 0.01).half()
     w = (codes.float().view(2 * rows, groups, 32) * scales.float()[:, :, None]).view(2 * rows, d)
     t = fit_int4_glu_predictor(torch.randn(64, d, generator=gen), w[:rows], w[rows:])
-    assert t["A"].dtype == torch.uint8 and t["A"].shape == (2 * rows, d // 2)
-    assert t["a"].dtype == torch.float16 and "b" not in t
-    assert torch.equal(dequantize_int4(t["A"], t["a"]), w)
+    assert t["codes"].dtype == torch.uint8 and t["codes"].shape == (2 * rows, d // 2)
+    assert t["scales"].dtype == torch.float16 and "bias" not in t
+    assert torch.equal(dequantize_int4(t["codes"], t["scales"]), w)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -55,7 +56,7 @@ def test_fit_beats_rounding_on_the_inputs_it_is_fitted_to(seed):
     gate, up = torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
     t = fit_int4_glu_predictor(x_fit, gate, up)
     w = torch.cat([gate, up]).double()
-    fitted = ((x_test.double() @ (w - dequantize_int4(t["A"], t["a"]).double()).T) ** 2).mean()
+    fitted = ((x_test.double() @ (w - dequantize_int4(t["codes"], t["scales"]).double()).T) ** 2).mean()
     rounded = ((x_test.double() @ (w - _rtn(torch.cat([gate, up]))).T) ** 2).mean()
     assert fitted < 0.5 * rounded, (fitted.item(), rounded.item())
 
@@ -73,7 +74,7 @@ def test_lookahead_fit_maps_the_earlier_input_to_the_blocks_preactivations():
     gate, up = torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
     truth = (torch.nn.functional.silu(x_block @ gate.T) * (x_block @ up.T)).abs()
     look = fit_int4_glu_predictor(x_in[:2500], gate, up, x_block=x_block[:2500])
-    assert look["b"].shape == (2 * n,)
+    assert look["bias"].shape == (2 * n,)
     plain = fit_int4_glu_predictor(x_in[:2500], gate, up)
     held = slice(2500, None)
     assert recall(int4_glu_scores(x_in[held], look), truth[held], k) > 0.85
@@ -97,12 +98,12 @@ def test_calibrate_int4_learns_the_planted_sparsity(int4_model_and_samples):
     assert not plan.settings["lookahead"] and plan.settings["values"] == "exact"
     for l in range(L):
         e = plan.entry(l, "mlp")
-        assert e.nonlinearity == "glu_int4" and not e.lookahead and e.b is None
+        assert e.predictor == "glu_int4" and not e.lookahead and "bias" not in e.tensors
         assert e.stats["recall"] > 0.9
         assert e.read_bytes(4) < 3 * FF * D * 4 / 7
     look = calibrate(model, None, samples=samples, mlp_density=0.5, predictor="int4", lookahead=True,
                      progress=False, min_density=0.25, dense_when_unprofitable=False)
-    assert all(look.entry(l, "mlp").lookahead and look.entry(l, "mlp").b is not None for l in range(L))
+    assert all(look.entry(l, "mlp").lookahead and "bias" in look.entry(l, "mlp").tensors for l in range(L))
 
 
 def test_int4_plan_round_trip_and_errors(tmp_path, int4_model_and_samples):
@@ -117,13 +118,14 @@ def test_int4_plan_round_trip_and_errors(tmp_path, int4_model_and_samples):
     for key, e in plan.entries.items():
         b = back.entries[key]
         if e.kind == "mlp":
-            assert b.A.dtype == torch.uint8 and b.a.dtype == torch.float16 and b.b.dtype == torch.float32
-            assert torch.equal(b.A, e.A) and torch.equal(b.a, e.a) and torch.equal(b.b, e.b)
+            assert [b.tensors[n].dtype for n in ("codes", "scales", "bias")] == [torch.uint8, torch.float16, torch.float32]
+            assert all(torch.equal(b.tensors[n], t) for n, t in e.tensors.items()) and set(b.tensors) == set(e.tensors)
         assert torch.equal(b.select(x), e.select(x))
     e = plan.entry(0, "mlp")
-    for bad in (PlanEntry(0, "mlp", e.k, FF, e.A.to(torch.int8), None, e.a, None, "glu_int4"),
-                PlanEntry(0, "mlp", e.k, FF, e.A, None, e.a[:-1], None, "glu_int4"),
-                PlanEntry(0, "mlp", e.k, FF, e.A, None, e.a, None, "glu_int4", values="predictor")):
+    t = e.tensors
+    for bad in (PlanEntry(0, "mlp", e.k, FF, "glu_int4", {**t, "codes": t["codes"].to(torch.int8)}),
+                PlanEntry(0, "mlp", e.k, FF, "glu_int4", {**t, "scales": t["scales"][:-1]}),
+                PlanEntry(0, "mlp", e.k, FF, "glu_int4", t, values="predictor")):
         SparsityPlan({(0, "mlp"): bad}, plan.fingerprint).save(tmp_path / "q")
         with pytest.raises(ValueError, match="int4|int8"):
             SparsityPlan.load(tmp_path / "q")

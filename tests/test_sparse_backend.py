@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dejavu_compile.kernels import native
+from dejavu_compile.kernels.cpu import native
 from dejavu_compile.compiler.prepare import prepare_model
 from dejavu_compile.errors import PlanMismatchError
 from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan, model_fingerprint
@@ -36,12 +36,13 @@ def _plan(model, density, *, entry_cls=PlanEntry, lookahead=True, rank=8, seed=0
         kind, total = (("mlp", block.intermediate_size) if block.kind == "mlp" else ("attention", block.num_heads))
         share = density if kind == "mlp" else attn_density
         if share is None:
-            entries[(block.layer, kind)] = PlanEntry(block.layer, kind, total, total, nonlinearity="dense")
+            entries[(block.layer, kind)] = PlanEntry(block.layer, kind, total, total)
             continue
         cls = entry_cls if kind == "mlp" else (attn_entry_cls or entry_cls)
         entries[(block.layer, kind)] = cls(
-            block.layer, kind, max(1, round(total * share)), total, A=torch.randn(d, rank, generator=gen),
-            B=torch.randn(rank, total, generator=gen), lookahead=lookahead and (kind == "mlp" or block.layer > 0))
+            block.layer, kind, max(1, round(total * share)), total, "twolayer",
+            {"in_proj": torch.randn(d, rank, generator=gen), "out_proj": torch.randn(rank, total, generator=gen)},
+            lookahead=lookahead and (kind == "mlp" or block.layer > 0))
     return SparsityPlan(entries, model_fingerprint(model))
 
 
@@ -147,7 +148,7 @@ def test_sparse_decode_matches_masked_reference(batch, fused_op, monkeypatch):
     """Every CPU lowering: the C++ op (auto), the custom op (its C kernel, fp32), the decomposed
     Inductor-fused ops, and with fused_op (C and C++ kernels off) the custom op's own Inductor-fused
     gather (large calls forced on tiny shapes) inside the Inductor-compiled graph."""
-    from dejavu_compile.kernels import mlp as mlp_mod
+    from dejavu_compile.kernels import torch_impl as mlp_mod
     if fused_op:
         monkeypatch.setattr(mlp_mod, "FUSED_MIN_ELEMENTS", 0)
         monkeypatch.setitem(native._STATE, "enabled", False)
@@ -192,15 +193,15 @@ def test_down_row_sums_split_a_prime_k_into_padded_bags():
 
 
 def _int8_plan(model, density, values="exact"):
-    from dejavu_compile.plan.predictors import int8_glu_predictor
+    from dejavu_compile.plan.predictors.glu_int8 import int8_glu_predictor
 
     entries = {}
     for layer, block in enumerate(model.model.layers):
         mlp = block.mlp
         t = int8_glu_predictor(mlp.gate_proj.weight, mlp.up_proj.weight)
         total = mlp.gate_proj.weight.shape[0]
-        entries[(layer, "mlp")] = PlanEntry(layer, "mlp", max(1, round(total * density)), total, t["A"], None,
-                                            t["a"], None, "glu_int8", "silu", lookahead=False, values=values)
+        entries[(layer, "mlp")] = PlanEntry(layer, "mlp", max(1, round(total * density)), total, "glu_int8", t,
+                                            "silu", lookahead=False, values=values)
     return SparsityPlan(entries, model_fingerprint(model))
 
 
@@ -224,7 +225,7 @@ def _predictor_values_reference(model, plan, ids):
         def replace_mlp(module, args, output, entry=entry):
             (x,) = args
             flat = x.reshape(-1, x.shape[-1]).double()
-            rows = entry.A.double() * entry.a.double()[:, None]
+            rows = entry.tensors["rows"].double() * entry.tensors["scales"].double()[:, None]
             h = torch.nn.functional.silu(flat @ rows[:entry.total].T) * (flat @ rows[entry.total:].T)
             idx = h.abs().topk(entry.k, dim=-1).indices
             kept = torch.zeros_like(h).scatter(-1, idx, h.gather(-1, idx))
@@ -295,7 +296,7 @@ def _graphs_matching_masked_reference(model, plan, ids) -> list:
 def _int4_plan(model, density, lookahead):
     """The learned int4 predictor fitted to random block inputs (with lookahead, to "attention
     inputs" from which the block inputs are a noisy linear map, so the fitted rows and biases matter)."""
-    from dejavu_compile.plan.predictors import fit_int4_glu_predictor
+    from dejavu_compile.plan.predictors.glu_int4 import fit_int4_glu_predictor
 
     gen = torch.Generator().manual_seed(0)
     d = model.config.hidden_size
@@ -307,8 +308,8 @@ def _int4_plan(model, density, lookahead):
                    + 0.5 if lookahead else None)
         t = fit_int4_glu_predictor(x_in, mlp.gate_proj.weight, mlp.up_proj.weight, x_block=x_block)
         total = mlp.gate_proj.weight.shape[0]
-        entries[(layer, "mlp")] = PlanEntry(layer, "mlp", max(1, round(total * density)), total, t["A"], None,
-                                            t["a"], t.get("b"), "glu_int4", "silu", lookahead=lookahead)
+        entries[(layer, "mlp")] = PlanEntry(layer, "mlp", max(1, round(total * density)), total, "glu_int4", t,
+                                            "silu", lookahead=lookahead)
     return SparsityPlan(entries, model_fingerprint(model))
 
 
@@ -319,10 +320,10 @@ def test_int4_predictor_decode_matches_masked_reference(batch, lookahead):
     codes, not fp32 rows, are what the graph holds."""
     model = tiny_model("llama", intermediate=320)
     plan = _int4_plan(model, 0.4, lookahead)
-    assert (plan.entry(0, "mlp").b is not None) == lookahead
+    assert ("bias" in plan.entry(0, "mlp").tensors) == lookahead
     for options, graph, predictors in _graphs_matching_masked_reference(model, plan, _ids(batch, 1)):
         assert len(predictors) == 2 and all(n.meta["dejavu"]["lookahead"] == lookahead for n in predictors)
-        consts = [n for n in graph.nodes if n.op == "placeholder" and n.name.endswith("_a_int4")]
+        consts = [n for n in graph.nodes if n.op == "placeholder" and n.name.endswith("_codes")]
         assert len(consts) == 2 and all(n.meta["val"].dtype == torch.uint8 for n in consts), options
 
 

@@ -5,73 +5,82 @@
     plan = calibrate(model, tokenizer, values="exact")   # kept neurons computed from the fp32 weights
     plan = calibrate(model, tokenizer, max_ppl_increase=0.03)   # quality budget instead of density
 
+`calibrate` runs named steps: collect_calibration_data -> choose_options -> fit_layers ->
+(per density) allocate_k -> build_entries -> record_settings; with a quality budget,
+lowest_density_within_budget repeats the last three. Per-block facts (gated or not, activation,
+weights) come from the matched block records, never from config attribute names.
+Default operating points and their measurements: benchmarks/README.md.
+
 CLI: `dejavu-compile calibrate --out DIR [--density D] ...` (see `main_calibrate`).
 """
 from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass, field
 
 import torch
 
 from dejavu_compile.calibration import budget
-from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan, model_fingerprint, predictor_read_bytes
-from dejavu_compile.plan.predictors import (fit_glu_predictor, fit_int4_glu_predictor, glu_scores, int4_glu_scores,
-                                       int8_glu_predictor, int8_glu_scores, mass_captured, mass_curve, recall,
-                                       train_predictor)
-
 from dejavu_compile.calibration.collect import collect
+from dejavu_compile.plan import predictors
+from dejavu_compile.plan.predictors.metrics import mass_captured, mass_curve, recall
+from dejavu_compile.plan.predictors.registry import FitInputs
+from dejavu_compile.plan.predictors.twolayer import train_predictor
+from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan, model_fingerprint
 
-# Recommended operating point, measured with benchmarks/decode.py on SmolLM2-135M (held-out
-# Wikipedia / news, 2 CPU cores, fp32): for gated MLPs on CPU the int8 predictor (the block's own
-# gate/up weights in int8: near-oracle selection) with the kept neurons' values taken from it (only
-# their down rows are read) at 60% MLP density in every layer: +0.8% / +1.4% perplexity, decode at
-# 1.32x dense Inductor with the backend's C++ ops (1.30x and 1.37x in two earlier runs whose plans
-# spread the density greedily; 50%: +2.0% / +5.0%, over the news budget). With exact values the same
-# selection also reads the kept gate/up rows and only matches dense speed (0.92-1.00x).
-# The low-rank lookahead predictor is far from the oracle on this SwiGLU model: within the <= +3%
-# budget it stays barely sparse (0.98 -> one sparse layer, +1.9% / +2.4%, 0.95-0.98x). Off the CPU,
-# and for plain MLPs (OPT, GPT-2: no gate to quantize), the default stays the low-rank predictor:
-# the int8 GEMV has no GPU kernel yet (CUDA runs it as a dequantized matmul).
-# The learned int4 predictor (calibrate(predictor="int4"), exact values) selects nearly as the oracle
-# does (50%: +2.3% / +6.4% against +2.4% / +5.4%; 60%: +1.0% / +4.1%) but has no kernel yet: its scores
-# come from aten ops that dequantize every step (0.5x dense), so it is a quality option.
+# calibrate's `predictor` option -> (kind for gated MLPs, kind for plain MLPs or None: gated only)
+PREDICTOR_OPTIONS = {"lowrank": ("glu_lowrank", "twolayer"), "int8": ("glu_int8", None), "int4": ("glu_int4", None)}
 DEFAULT_MLP_DENSITY = {"int8": 0.6, "int4": 0.6, "lowrank": 0.98}
-QUANTIZED_PREDICTORS = ("int8", "int4")  # copies of the block's own gate/up rows: gated MLPs only
-DEFAULT_RANK_FRACTION = 0.25  # predictor rank r = fraction * d (per projection of the "glu" predictor)
+DEFAULT_RANK_FRACTION = 0.25  # predictor rank r = fraction * d (per projection of the low-rank gated predictor)
 DEFAULT_MAX_TOKENS = 8192
 DEFAULT_SEQ_LEN = 256
+HOLDOUT_CHUNKS = 4  # sequences held back for the quality budget's perplexity
 
 
-def _mlp_blocks(model, blocks=None) -> dict:
-    """layer -> matched MLP block record (from collection, else by tracing the model once)."""
-    if blocks is None:
-        from dejavu_compile.compiler.explain import matched_blocks
-
-        blocks = matched_blocks(model)
-    return {b.layer: b for b in blocks if getattr(b, "kind", None) == "mlp"}
-
-
-def _weight_rows(model, ref) -> torch.Tensor:
-    """A projection's weight as (F, d) rows, whatever its layout (nn.Linear, Conv1D, fused)."""
-    w = model.get_parameter(ref.name).detach().float()
-    if ref.layout == "in_out":
-        w = w.t()
-    if ref.rows is not None:
-        w = w[ref.rows[0] : ref.rows[1]]
-    return w
+@dataclass
+class CalibrationData:
+    samples: dict  # layer -> LayerSamples
+    mlp_blocks: dict  # layer -> matched MLPBlock
+    heads: dict  # layer -> query heads of its matched attention block
+    holdout: list  # token chunks for the quality budget (empty without one)
+    collect_s: float
 
 
-def _activation(cfg):
-    from dejavu_compile import activations
+@dataclass
+class Options:
+    """calibrate's options with every "auto" resolved."""
 
-    return activations.torch_fn(str(getattr(cfg, "hidden_act", "silu")))
+    predictor: str
+    values: str
+    lookahead: bool
+    mlp_density: float
+    allocation: str
 
 
-def _split(n: int, frac: float = 0.8, seed: int = 0):
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    cut = int(n * frac)
-    return perm[:cut], perm[cut:]
+@dataclass
+class LayerFit:
+    """One layer's fitted predictors and how they score the held-back tokens."""
+
+    mlp_kind: str
+    mlp_tensors: dict
+    mlp_scores: torch.Tensor  # (N_val, F)
+    mlp_importance: torch.Tensor  # (N_val, F)
+    mlp_curve: dict  # k -> 1 - captured mass
+    grid_multiple: int  # k is kept a multiple of this (wide layers)
+    predictor_cost: float  # bytes the predictor reads, as a share of the dense block's
+    attn_tensors: dict | None = None
+    attn_scores: torch.Tensor | None = None
+    attn_importance: torch.Tensor | None = None
+    attn_curve: dict = field(default_factory=dict)
+
+    @property
+    def neurons(self) -> int:
+        return self.mlp_importance.shape[1]
+
+    @property
+    def heads(self) -> int | None:
+        return None if self.attn_importance is None else self.attn_importance.shape[1]
 
 
 def calibrate(
@@ -98,30 +107,27 @@ def calibrate(
 ) -> SparsityPlan:
     """Calibrate a sparsity plan for `model` on `texts`.
 
-    Gated MLPs (LLaMA, Qwen, Mistral: act(gate(x)) * up(x)) get the low-rank gated predictor or the
-    int8 one; plain MLPs (OPT, GPT-2: act(up(x))) get Deja Vu's two-layer low-rank predictor, trained
-    with binary cross-entropy to flag each token's top neurons at the target density.
+    Gated MLPs (LLaMA, Qwen, Mistral: act(gate(x)) * up(x)) get the low-rank gated predictor or a
+    quantized copy of gate/up; plain MLPs (OPT, GPT-2: act(up(x))) get Deja Vu's two-layer low-rank
+    predictor, trained with binary cross-entropy to flag each token's top neurons at the target density.
 
     texts: list of strings, a single string, or None for the bundled Wikipedia calibration split.
     mlp_density / attn_density: target average fraction of MLP neurons / query heads kept (mlp_density
-        None: the predictor's recommended point, DEFAULT_MLP_DENSITY: 0.6 for int8 and int4, 0.98 for
-        lowrank).
+        None: the predictor's default, DEFAULT_MLP_DENSITY).
     lookahead: predictors read the previous block's input (can run beside it). None: with the
-        low-rank predictor (Deja Vu's setting); not with int4 (on SmolLM2 at 50% it costs +16% /
-        +19% perplexity there instead of +2.3% / +6.4%); never with int8 (it is the block's own projection).
+        low-rank predictor (Deja Vu's setting), not with int4; never with int8 (it is the block's own
+        projection).
     allocation: how the MLP density budget is spread over layers: "uniform" (every layer keeps the
         same share, on a grid of 32 neurons), "greedy" (`budget.allocate` on each layer's curve of
         1 - captured |activation| mass: layers where the predictor is poor stay denser) or "auto"
-        (uniform for the int8 and int4 predictors, which are near the oracle everywhere; greedy for
-        the low-rank ones). Measured on SmolLM2 at 50%: uniform +2.0% / +5.0% held-out perplexity
-        against greedy's +2.8% / +5.7% with int8, +2.3% / +6.4% against +4.1% / +8.1% with int4.
+        (uniform for the quantized predictors, which are near the oracle everywhere; greedy for
+        the low-rank ones).
     dense_when_unprofitable: keep a layer dense when its kept rows plus its predictor would read at
         least as many bytes as the dense block (the plan's density can then exceed the target).
     predictor: "lowrank" (Deja Vu-style, rank `rank`, with lookahead), "int8" (the block's own
-        gate/up weights in int8: near-oracle selection, reads the block's own input, no lookahead),
-        "int4" (gated MLPs: a 4-bit copy of gate/up fitted to the collected activations, see
-        `fit_int4_glu_predictor`: the learned predictor closest to the oracle, exact values only) or
-        "auto" (int8 when every MLP is gated and the model is on the CPU, else lowrank).
+        gate/up weights in int8, reads the block's own input), "int4" (gated MLPs: a 4-bit copy of
+        gate/up fitted to the collected activations, exact values only) or "auto" (int8 when every
+        MLP is gated and the model is on the CPU, else lowrank). See `dejavu_compile.plan.predictors`.
     values: where the kept neurons' act(gate) * up come from: "exact" (the block's own fp32 weights),
         "predictor" (the int8 predictor's own values, which it computes for every neuron anyway: the
         sparse block then reads only the kept rows of its down projection; int8 only) or "auto"
@@ -133,177 +139,221 @@ def calibrate(
     return_builder: return `build(mlp_density) -> SparsityPlan` instead of a plan, to make plans of
         several densities from one fit (attention density stays `attn_density`).
     """
-    from tqdm.auto import tqdm
+    _check_choices(predictor, values, allocation)
+    torch.manual_seed(seed)
+    t0 = time.time()
+    data = collect_calibration_data(model, tokenizer, texts, samples, max_tokens, seq_len,
+                                    with_holdout=max_ppl_increase is not None, progress=progress)
+    options = choose_options(model, data, predictor, values, lookahead, mlp_density, allocation)
+    n = data.samples[min(data.samples)].mlp_input.shape[0]
+    fit_idx, val_idx = _split(n, 0.8, seed)
+    r = rank or max(8, int(round(DEFAULT_RANK_FRACTION * data.mlp_blocks[min(data.samples)].hidden_size)))
+    fits = fit_layers(model, data, options, fit_idx, val_idx, r, attn_density, min_density, train_steps, seed, progress)
+    fingerprint = model_fingerprint(model)
+    facts = {"attn_density": attn_density, "rank": r, "max_tokens": max_tokens, "seq_len": seq_len,
+             "tokens_collected": n, "min_density": min_density, "seed": seed, "max_ppl_increase": max_ppl_increase,
+             "dense_when_unprofitable": dense_when_unprofitable, "collect_s": round(data.collect_s, 1)}
 
-    from dejavu_compile.assets.data import tokenize_chunks
+    def build(density: float) -> SparsityPlan:
+        kmlp, katt = allocate_k(fits, options, density, attn_density, dense_when_unprofitable)
+        entries = build_entries(fits, data, options, kmlp, katt)
+        settings = record_settings(options, data.mlp_blocks, fits, density, facts, time.time() - t0)
+        return SparsityPlan(entries, fingerprint, settings)
 
-    if predictor not in ("auto", "lowrank", "int8", "int4"):
+    if return_builder:  # one fit, many densities (benchmarks)
+        return build
+    if max_ppl_increase is None:
+        return build(options.mlp_density)
+    return lowest_density_within_budget(model, data.holdout, build, max_ppl_increase, fingerprint, progress)
+
+
+def _check_choices(predictor: str, values: str, allocation: str) -> None:
+    if predictor != "auto" and predictor not in PREDICTOR_OPTIONS:
         raise ValueError(f"predictor must be 'auto', 'lowrank', 'int8' or 'int4', got {predictor!r}")
     if values not in ("auto", "exact", "predictor"):
         raise ValueError(f"values must be 'auto', 'exact' or 'predictor', got {values!r}")
     if allocation not in ("auto", "uniform", "greedy"):
         raise ValueError(f"allocation must be 'auto', 'uniform' or 'greedy', got {allocation!r}")
-    torch.manual_seed(seed)
-    t0 = time.time()
-    if texts is None:
-        from dejavu_compile.assets.data import wiki_articles
 
+
+def collect_calibration_data(model, tokenizer, texts, samples, max_tokens: int, seq_len: int,
+                             with_holdout: bool, progress: bool) -> CalibrationData:
+    """Block inputs and true importance per layer (`collect`, unless `samples` are given), the
+    matched MLP blocks, and held-back token chunks when a quality budget needs them."""
+    from dejavu_compile.assets.data import tokenize_chunks, wiki_articles
+
+    t0 = time.time()
+    if texts is None and (samples is None or with_holdout):
         texts = wiki_articles("calibration")
-    holdout = []
-    blocks = None
+    holdout, blocks = [], None
     if samples is None:
-        extra = 4 * seq_len if max_ppl_increase is not None else 0
+        extra = HOLDOUT_CHUNKS * seq_len if with_holdout else 0
         chunks = tokenize_chunks(tokenizer, texts, seq_len, max_tokens + extra)
         if extra:
-            holdout, chunks = chunks[-4:], chunks[:-4]
+            holdout, chunks = chunks[-HOLDOUT_CHUNKS:], chunks[:-HOLDOUT_CHUNKS]
         samples, blocks = collect(model, chunks, max_tokens=max_tokens, progress=progress)
-    elif max_ppl_increase is not None:
-        holdout = tokenize_chunks(tokenizer, texts, seq_len, 4 * seq_len)
-    t_collect = time.time() - t0
+    elif with_holdout:
+        holdout = tokenize_chunks(tokenizer, texts, seq_len, HOLDOUT_CHUNKS * seq_len)
+    if blocks is None:
+        from dejavu_compile.compiler.explain import matched_blocks
 
-    cfg = model.config
-    layers = sorted(samples)
-    mlp_blocks = _mlp_blocks(model, blocks)
-    missing = [l for l in layers if l not in mlp_blocks]
+        blocks = matched_blocks(model)
+    mlp_blocks = {b.layer: b for b in blocks if b.kind == "mlp"}
+    heads = {b.layer: b.num_heads for b in blocks if b.kind == "attention"}
+    missing = [l for l in sorted(samples) if l not in mlp_blocks]
     if missing:
         raise ValueError(f"layers {missing} have samples but no matched MLP block")
-    all_gated = all(mlp_blocks[l].gated for l in layers)
+    return CalibrationData(samples, mlp_blocks, heads, holdout, time.time() - t0)
+
+
+def choose_options(model, data: CalibrationData, predictor, values, lookahead, mlp_density, allocation) -> Options:
+    """Resolve the "auto" options from the matched blocks and the model's device."""
+    all_gated = all(data.mlp_blocks[l].gated for l in data.samples)
     if predictor == "auto":
         on_cpu = next(model.parameters()).device.type == "cpu"
         predictor = "int8" if on_cpu and all_gated else "lowrank"
+    gated_kind, plain_kind = PREDICTOR_OPTIONS[predictor]
+    kind = predictors.get(gated_kind)
     if values == "auto":
-        values = "predictor" if predictor == "int8" else "exact"
-    if values == "predictor" and predictor != "int8":
+        values = "predictor" if kind.gives_values else "exact"
+    if values == "predictor" and not kind.gives_values:
         raise ValueError("values='predictor' takes the kept neurons' values from the int8 predictor: "
                          "use predictor='int8' (or values='exact')")
-    if predictor == "int8":
+    if kind.needs_own_input:
         lookahead = False  # it is the block's own projection: it needs the block's own input
     elif lookahead is None:
         lookahead = predictor == "lowrank"
-    if mlp_density is None:
-        mlp_density = DEFAULT_MLP_DENSITY[predictor]
     if allocation == "auto":
-        allocation = "uniform" if predictor in QUANTIZED_PREDICTORS else "greedy"
-    if predictor in QUANTIZED_PREDICTORS and not all_gated:
+        allocation = "uniform" if kind.quantized else "greedy"
+    if plain_kind is None and not all_gated:
         raise ValueError(f"predictor={predictor!r} scores gated MLPs (act(gate(x)) * up(x)) with a copy of their "
                          "weights; this model's MLPs are plain (act(up(x))): use predictor='lowrank'")
-    d, H = cfg.hidden_size, cfg.num_attention_heads
-    F_ = samples[layers[0]].mlp_importance.shape[1]
-    r = rank or max(8, int(round(DEFAULT_RANK_FRACTION * d)))
-    n = samples[layers[0]].mlp_input.shape[0]
-    fit_idx, val_idx = _split(n, 0.8, seed)
+    density = DEFAULT_MLP_DENSITY[predictor] if mlp_density is None else mlp_density
+    return Options(predictor, values, lookahead, density, allocation)
+
+
+def fit_layers(model, data: CalibrationData, options: Options, fit_idx, val_idx, rank: int, attn_density: float,
+               min_density: float, train_steps: int, seed: int, progress: bool) -> dict[int, LayerFit]:
+    """Per layer: fit the MLP block's predictor through its kind, and (attn_density < 1) the heads'
+    two-layer predictor; score the held-back tokens and record captured-mass curves over k."""
+    from tqdm.auto import tqdm
+
+    element_size = next(model.parameters()).element_size()
+    fits = {}
+    for l in tqdm(sorted(data.samples), desc="train predictors", disable=not progress, unit="layer"):
+        s, block = data.samples[l], data.mlp_blocks[l]
+        fits[l] = fit_mlp_predictor(model, s, block, options, fit_idx, val_idx, rank, min_density, train_steps,
+                                    seed, element_size)
+        if attn_density < 1.0:
+            previous = data.samples.get(l - 1) if options.lookahead and l > 0 else None
+            fit_head_predictor(fits[l], s, previous, fit_idx, val_idx, min_density, seed)
+    return fits
+
+
+def fit_mlp_predictor(model, s, block, options: Options, fit_idx, val_idx, rank: int, min_density: float,
+                      train_steps: int, seed: int, element_size: int) -> LayerFit:
+    gated_kind, plain_kind = PREDICTOR_OPTIONS[options.predictor]
+    name = gated_kind if block.gated else plain_kind
+    kind = predictors.get(name)
+    x_in = s.attn_input if options.lookahead else s.mlp_input  # lookahead: this layer's attention input
+    total = s.mlp_importance.shape[1]
+    tensors = kind.fit(FitInputs(
+        x=x_in[fit_idx], x_block=s.mlp_input[fit_idx], importance=s.mlp_importance[fit_idx],
+        gate=_weight_rows(model, block.gate) if block.gated else None, up=_weight_rows(model, block.up),
+        k=max(1, round(options.mlp_density * total)), rank=rank, steps=train_steps, seed=seed,
+        lookahead=options.lookahead))
+    with torch.no_grad():
+        scores = kind.scores(tensors, x_in[val_idx], block.activation)
+    importance = s.mlp_importance[val_idx]
     # k in multiples of 32 (wide models): the sparse kernels split k into equal parts (bags,
     # blocks); another k (e.g. a prime) works too, padded to equal parts.
-    multiple = 32 if F_ >= 512 else 1
-    grid_mlp = budget.k_grid(F_, min_density, 20, multiple=multiple)
-    grid_att = budget.k_grid(H, min(min_density, 1.0 / H), H)
+    multiple = 32 if total >= 512 else 1
+    grid = budget.k_grid(total, min_density, 20, multiple=multiple)
+    dense_bytes = (3 if block.gated else 2) * block.hidden_size * total * element_size
+    return LayerFit(name, tensors, scores, importance, {k: 1.0 - m for k, m in mass_curve(scores, importance, grid).items()},
+                    multiple, kind.read_bytes(tensors, element_size) / dense_bytes)
 
-    preds: dict[tuple[int, str], dict] = {}
-    val_scores: dict[int, torch.Tensor] = {}
-    val_heads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (head scores, true importance)
-    curves: dict[str, dict[int, dict[int, float]]] = {"mlp": {}, "attention": {}}
-    for l in tqdm(layers, desc="train predictors", disable=not progress, unit="layer"):
-        s = samples[l]
-        # MLP: closed-form low-rank gated predictor; lookahead input = this layer's attention input.
-        x_in = s.attn_input if lookahead else s.mlp_input
-        block = mlp_blocks[l]
-        if not block.gated:  # Deja Vu's predictor, as in its OPT code: linear-linear, BCE on the top set
-            p = train_predictor(x_in[fit_idx], s.mlp_importance[fit_idx], max(1, round(mlp_density * F_)),
-                                rank=r, loss="bce", steps=train_steps, seed=seed)
-            t = p.tensors()
-            with torch.no_grad():
-                sc = p(x_in[val_idx])
-        elif predictor == "int8":
-            t = int8_glu_predictor(_weight_rows(model, block.gate), _weight_rows(model, block.up))
-            sc = int8_glu_scores(x_in[val_idx], t, _activation(cfg))
-        elif predictor == "int4":
-            t = fit_int4_glu_predictor(x_in[fit_idx], _weight_rows(model, block.gate), _weight_rows(model, block.up),
-                                       x_block=s.mlp_input[fit_idx] if lookahead else None)
-            sc = int4_glu_scores(x_in[val_idx], t, _activation(cfg))
+
+def fit_head_predictor(fit: LayerFit, s, previous, fit_idx, val_idx, min_density: float, seed: int) -> None:
+    """Deja Vu's two-layer predictor for the query heads, listwise loss (serves every k); reads the
+    previous layer's MLP input with lookahead."""
+    xa = previous.mlp_input if previous is not None else s.attn_input
+    heads = s.attn_importance.shape[1]
+    p = train_predictor(xa[fit_idx], s.attn_importance[fit_idx], max(1, heads // 2), rank=min(64, xa.shape[1]),
+                        loss="soft", steps=150, batch_size=2048, seed=seed)
+    with torch.no_grad():
+        fit.attn_scores = p(xa[val_idx])
+    fit.attn_tensors = p.tensors()
+    fit.attn_importance = s.attn_importance[val_idx]
+    grid = budget.k_grid(heads, min(min_density, 1.0 / heads), heads)
+    fit.attn_curve = {k: 1.0 - m for k, m in mass_curve(fit.attn_scores, fit.attn_importance, grid).items()}
+
+
+def allocate_k(fits: dict[int, LayerFit], options: Options, density: float, attn_density: float,
+               dense_when_unprofitable: bool) -> tuple[dict[int, int], dict[int, int]]:
+    """Kept neurons and heads per layer for an average MLP `density`."""
+    if options.allocation == "uniform":
+        kmlp = {l: budget.uniform(f.neurons, density, f.grid_multiple) for l, f in fits.items()}
+    else:
+        kmlp = budget.allocate({l: f.mlp_curve for l, f in fits.items()}, {l: f.neurons for l, f in fits.items()},
+                               density)
+    if dense_when_unprofitable:  # a layer whose rows plus predictor outweigh the dense block
+        row_share = 1 / 3 if options.values == "predictor" else 1.0  # of the block's bytes a kept neuron reads
+        kmlp = {l: (fits[l].neurons if row_share * k / fits[l].neurons + fits[l].predictor_cost >= 1.0 else k)
+                for l, k in kmlp.items()}
+    if attn_density < 1.0:
+        katt = budget.allocate({l: f.attn_curve for l, f in fits.items()}, {l: f.heads for l, f in fits.items()},
+                               attn_density)
+    else:
+        katt = {l: None for l in fits}  # every head
+    return kmlp, katt
+
+
+def build_entries(fits: dict[int, LayerFit], data: CalibrationData, options: Options, kmlp: dict[int, int],
+                  katt: dict[int, int | None]) -> dict:
+    """Plan entries from the fitted predictors and the chosen k (dense where k is the whole block;
+    no attention entry for a layer whose attention block was not matched)."""
+    entries = {}
+    for l, f in fits.items():
+        k, total, block = kmlp[l], f.neurons, data.mlp_blocks[l]
+        stats = _stats(f.mlp_scores, f.mlp_importance, k)
+        if k >= total:
+            entries[(l, "mlp")] = PlanEntry(l, "mlp", total, total, stats=stats)
         else:
-            gate_w, up_w = _weight_rows(model, block.gate), _weight_rows(model, block.up)
-            t = fit_glu_predictor(x_in[fit_idx], s.mlp_input[fit_idx], gate_w, up_w, r)
-            sc = glu_scores(x_in[val_idx], t, _activation(cfg))
-        preds[(l, "mlp")] = t
-        val_scores[l] = sc
-        imp = s.mlp_importance[val_idx]
-        curves["mlp"][l] = {k: 1.0 - m for k, m in mass_curve(sc, imp, grid_mlp).items()}
-        # Attention: Deja Vu's two-layer predictor, listwise loss (serves every k), H is tiny.
-        if attn_density < 1.0:
-            xa = samples[l - 1].mlp_input if (lookahead and l > 0) else s.attn_input
-            p = train_predictor(xa[fit_idx], s.attn_importance[fit_idx], max(1, H // 2), rank=min(64, d),
-                                loss="soft", steps=150, batch_size=2048, seed=seed)
-            preds[(l, "attention")] = p.tensors()
-            with torch.no_grad():
-                sa = p(xa[val_idx])
-            ia = s.attn_importance[val_idx]
-            val_heads[l] = (sa, ia)
-            curves["attention"][l] = {k: 1.0 - m for k, m in mass_curve(sa, ia, grid_att).items()}
-
-    # Bytes a sparse layer reads for its predictor, as a share of the dense block's bytes.
-    element_size = next(model.parameters()).element_size()
-    pred_bytes = predictor_read_bytes(preds[(layers[0], "mlp")].values(), predictor in QUANTIZED_PREDICTORS, element_size)
-    gated = mlp_blocks[layers[0]].gated
-    predictor_cost = pred_bytes / ((3 if gated else 2) * d * F_ * element_size)
-    row_share = 1 / 3 if values == "predictor" else 1.0  # of the block's bytes a kept neuron reads
-
-    def build(density: float) -> SparsityPlan:
-        if allocation == "uniform":
-            kmlp = {l: budget.uniform(F_, density, multiple) for l in layers}
+            entries[(l, "mlp")] = PlanEntry(l, "mlp", k, total, f.mlp_kind, f.mlp_tensors, block.activation,
+                                            options.lookahead, stats=stats,
+                                            values=options.values if block.gated else "exact")
+        heads = f.heads or data.heads.get(l)
+        ka = katt[l]
+        if heads is None:
+            continue
+        if ka is None or ka >= heads:
+            entries[(l, "attention")] = PlanEntry(l, "attention", heads, heads)
         else:
-            kmlp = budget.allocate(curves["mlp"], {l: F_ for l in layers}, density)
-        if dense_when_unprofitable:  # a layer whose rows plus predictor outweigh the dense block
-            kmlp = {l: (F_ if row_share * k / F_ + predictor_cost >= 1.0 else k) for l, k in kmlp.items()}
-        katt = (budget.allocate(curves["attention"], {l: H for l in layers}, attn_density)
-                if attn_density < 1.0 else {l: H for l in layers})
-        entries = {}
-        for l in layers:
-            s = samples[l]
-            k = kmlp[l]
-            t = preds[(l, "mlp")]
-            imp = s.mlp_importance[val_idx]
-            sc = val_scores[l]
-            stats = {"recall": recall(sc, imp, k), "mass": mass_captured(sc, imp, k),
-                     "oracle_mass": mass_captured(imp, imp, k)}
-            if k >= F_:
-                entries[(l, "mlp")] = PlanEntry(l, "mlp", F_, F_, nonlinearity="dense", stats=stats)
-            elif not mlp_blocks[l].gated:
-                entries[(l, "mlp")] = PlanEntry(l, "mlp", k, F_, t["A"], t["B"], t["a"], t["b"], "none",
-                                                mlp_blocks[l].activation, lookahead, stats=stats)
-            else:
-                entries[(l, "mlp")] = PlanEntry(l, "mlp", k, F_, t["A"], t.get("B"), t["a"], t.get("b"),
-                                                {"int8": "glu_int8", "int4": "glu_int4"}.get(predictor, "glu"),
-                                                str(getattr(cfg, "hidden_act", "silu")), lookahead, stats=stats,
-                                                values=values)
-            ka = katt[l]
-            if ka >= H:
-                entries[(l, "attention")] = PlanEntry(l, "attention", H, H, nonlinearity="dense")
-            else:
-                ta = preds[(l, "attention")]
-                sa, ia = val_heads[l]
-                head_stats = {"recall": recall(sa, ia, ka), "mass": mass_captured(sa, ia, ka),
-                              "oracle_mass": mass_captured(ia, ia, ka)}
-                entries[(l, "attention")] = PlanEntry(l, "attention", ka, H, ta["A"], ta["B"], ta.get("a"), ta.get("b"),
-                                                      "none", lookahead=lookahead and l > 0, stats=head_stats)
-        settings = {
-            "method": f"dejavu-glu-{'lowrank' if predictor == 'lowrank' else predictor}" if gated else "dejavu-lowrank",
-            "predictor": predictor, "values": values,
-            "target_mlp_density": density, "attn_density": attn_density,
-            "lookahead": lookahead, "rank": r, "max_tokens": max_tokens, "seq_len": seq_len,
-            "tokens_collected": n, "min_density": min_density, "allocation": allocation, "seed": seed,
-            "max_ppl_increase": max_ppl_increase, "predictor_cost": round(predictor_cost, 4),
-            "dense_when_unprofitable": dense_when_unprofitable, "collect_s": round(t_collect, 1),
-            "total_s": round(time.time() - t0, 1),
-        }
-        return SparsityPlan(entries, fingerprint, settings)
+            entries[(l, "attention")] = PlanEntry(l, "attention", ka, heads, "twolayer", f.attn_tensors,
+                                                  lookahead=options.lookahead and l > 0,
+                                                  stats=_stats(f.attn_scores, f.attn_importance, ka))
+    return entries
 
-    fingerprint = model_fingerprint(model)
-    if return_builder:  # one fit, many densities (benchmarks)
-        return build
-    if max_ppl_increase is None:
-        return build(mlp_density)
 
-    # Quality budget: lowest density on a 0.05 grid within the budget on held-back calibration text.
+def record_settings(options: Options, mlp_blocks: dict, fits: dict[int, LayerFit], density: float, facts: dict,
+                    seconds: float) -> dict:
+    """The plan's record of how it was made."""
+    first = min(fits)
+    gated = mlp_blocks[first].gated
+    return {"method": f"dejavu-glu-{options.predictor}" if gated else "dejavu-lowrank",
+            "predictor": options.predictor, "values": options.values, "target_mlp_density": density,
+            "attn_density": facts["attn_density"], "lookahead": options.lookahead, "rank": facts["rank"],
+            "max_tokens": facts["max_tokens"], "seq_len": facts["seq_len"], "tokens_collected": facts["tokens_collected"],
+            "min_density": facts["min_density"], "allocation": options.allocation, "seed": facts["seed"],
+            "max_ppl_increase": facts["max_ppl_increase"], "predictor_cost": round(fits[first].predictor_cost, 4),
+            "dense_when_unprofitable": facts["dense_when_unprofitable"], "collect_s": facts["collect_s"],
+            "total_s": round(seconds, 1)}
+
+
+def lowest_density_within_budget(model, holdout, build, max_ppl_increase: float, fingerprint, progress: bool):
+    """The lowest MLP density on a 0.05 grid whose perplexity on held-back calibration text stays
+    within `max_ppl_increase` of the dense model's (the dense plan when none does)."""
     from dejavu_compile.evaluation.perplexity import perplexity
 
     base = perplexity(model, holdout)
@@ -319,6 +369,27 @@ def calibrate(
         plan.settings["holdout_ppl_increase"] = inc
         best = plan
     return best
+
+
+def _stats(scores, importance, k: int) -> dict:
+    return {"recall": recall(scores, importance, k), "mass": mass_captured(scores, importance, k),
+            "oracle_mass": mass_captured(importance, importance, k)}
+
+
+def _weight_rows(model, ref) -> torch.Tensor:
+    """A projection's weight as (F, d) rows, whatever its layout (nn.Linear, Conv1D, fused)."""
+    w = model.get_parameter(ref.name).detach().float()
+    if ref.layout == "in_out":
+        w = w.t()
+    if ref.rows is not None:
+        w = w[ref.rows[0] : ref.rows[1]]
+    return w
+
+
+def _split(n: int, frac: float = 0.8, seed: int = 0):
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    cut = int(n * frac)
+    return perm[:cut], perm[cut:]
 
 
 def main_calibrate(argv=None) -> int:

@@ -8,7 +8,6 @@ wrong in a pass, the model still runs: the backend logs why and compiles the unt
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +28,10 @@ OPTION_DEFAULTS: dict[str, Any] = {
     # CPU sparse MLPs: "native" (C++ ops, fp32), "op" (the custom op), "decomposed" (aten ops Inductor
     # fuses); "auto": native where the C++ ops build, else decomposed (op under inner="eager")
     "cpu_lowering": "auto",
+    # force one kernel lowering for every sparse MLP, by its registry name (passes/lowering.py): "native",
+    # "decomposed", "op" or "triton" (CUDA; on CPU tensors only under TRITON_INTERPRET=1 and inner="eager",
+    # a test of the Triton kernels in a whole model); an error where it cannot run. None: cpu_lowering decides
+    "lowering": None,
     "simulate": False,  # masked dense simulation of the plan (quality evaluation; any shape, not faster)
 }
 INNER_CHOICES = ("inductor", "eager")
@@ -45,6 +48,8 @@ class BackendReport:
     dense_reason: str | None = None
     error: str | None = None
     extra_bytes: int = 0  # memory the compiled graph holds beyond the model's own: predictors, weight copies
+    pass_counts: dict[str, int] = field(default_factory=dict)  # per pass run: what it did (passes/README.md)
+    failed_pass: str | None = None  # the pass that raised, when one did
 
 
 def validate_options(options: dict | None) -> dict:
@@ -66,25 +71,15 @@ def validate_options(options: dict | None) -> dict:
             raise DejavuOptionError(f"option 'plan' must be a dejavu_compile.SparsityPlan, got {type(plan).__name__}")
     if merged["cpu_lowering"] not in ("auto", "native", "op", "decomposed"):
         raise DejavuOptionError("option 'cpu_lowering' must be 'auto', 'native', 'op' or 'decomposed'")
+    if merged["lowering"] is not None:
+        from dejavu_compile.compiler.passes.lowering import registered_lowerings
+
+        if merged["lowering"] not in registered_lowerings():
+            raise DejavuOptionError(f"option 'lowering' must be None or one of {sorted(registered_lowerings())}, "
+                                    f"got {merged['lowering']!r}")
     if not (isinstance(merged["max_batch"], int) and merged["max_batch"] >= 1):
         raise DejavuOptionError("option 'max_batch' must be a positive int")
     return merged
-
-
-def _training_reason(gm: fx.GraphModule, example_inputs) -> str | None:
-    """Why this graph must not be made sparse: it is traced for training or needs gradients."""
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and "dropout" in getattr(node.target, "__name__", ""):
-            training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
-            if training:
-                return "the model is in training mode (dropout active)"
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    from dejavu_compile.compiler.passes.graph_utils import param_name
-
-    for node, value in zip(placeholders, example_inputs):
-        if isinstance(value, torch.Tensor) and value.requires_grad and param_name(node) is None:
-            return f"input {node.name} requires grad"
-    return None
 
 
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -159,8 +154,8 @@ class DejavuBackend:
         except Exception as exc:  # the model must still run: dense graph, and say why
             if opts["strict"]:
                 raise
-            log.warning("dejavu: a pass failed on graph %s, compiling it dense: %s: %s",
-                        report.graph_id, type(exc).__name__, exc)
+            log.warning("dejavu: pass %s failed on graph %s, compiling it dense: %s: %s",
+                        report.failed_pass or "?", report.graph_id, type(exc).__name__, exc)
             report.error = f"{type(exc).__name__}: {exc}"
             gm = original
         report.graph = gm
@@ -170,25 +165,11 @@ class DejavuBackend:
         return _compile_inner(gm, example_inputs, opts, mode)
 
     def run_passes(self, gm, example_inputs, opts, report: BackendReport) -> fx.GraphModule:
-        from dejavu_compile.compiler.passes.match import match_blocks
+        """The pass list (``passes/sparsify.py``) over ``gm``, in order (``passes/runner.py``)."""
+        from dejavu_compile.compiler.passes.runner import PassContext, run_passes
+        from dejavu_compile.compiler.passes.sparsify import default_passes
 
-        report.match = match_blocks(gm)
-        reason = _training_reason(gm, example_inputs)
-        if reason is None and opts["plan"] is not None and torch.is_grad_enabled() and any(
-                isinstance(v, torch.Tensor) and v.requires_grad for v in example_inputs):
-            reason = "gradients are enabled (sparse ops have no backward; use torch.no_grad())"
-        if reason is not None:
-            warnings.warn(f"dejavu: passing the graph through dense because {reason}", stacklevel=2)
-            report.dense_reason = reason
-            return gm
-        if opts["plan"] is None:
-            return gm
-        from dejavu_compile.compiler.passes.sparsify import sparsify
-
-        return sparsify(gm, example_inputs, report, opts)
-
-    def reset(self):
-        pass
+        return run_passes(gm, default_passes(opts), PassContext(list(example_inputs), opts, report))
 
 
 dejavu_backend = DejavuBackend()

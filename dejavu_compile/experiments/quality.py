@@ -22,7 +22,8 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
-from dejavu_compile.plan.predictors import cats_scores, teal_input_mask, topk_mask
+from dejavu_compile.plan.predictors.baselines import cats_scores, teal_input_mask
+from dejavu_compile.plan.predictors.metrics import topk_mask
 from dejavu_compile.calibration.collect import head_contributions
 
 SIM_LABEL = "masked dense simulation"
@@ -58,61 +59,70 @@ class MaskedSimulation:
     def __enter__(self):
         if self.selector is None:
             return self
-        layers = llama_layers(self.model)
-        heads = self.model.config.num_attention_heads
-        acts: dict = {}
-        input_mode = getattr(self.selector, "target", "neurons") == "input"
-        sel = self.selector
-
-        for i, layer in enumerate(layers):
-            def attn_pre(m, a, k, i=i):
-                acts[("attn", i)] = (a[0] if a else k["hidden_states"])
-
-            def mlp_pre(m, a, k, i=i):
-                x = a[0] if a else k["x"]
-                acts[("mlp", i)] = x
-                if input_mode:
-                    flat = x.reshape(-1, x.shape[-1])
-                    mask = sel(i, "mlp", flat, acts[("attn", i)].reshape(flat.shape), importance=None)
-                    if mask is not None:
-                        x = (flat * mask.to(flat.dtype)).reshape(x.shape)
-                        return ((x,) + tuple(a[1:]), k) if a else (a, {**k, "x": x})
-
-            def down_pre(m, a, i=i):
-                if input_mode:
-                    return None
-                h = a[0]
-                flat = h.reshape(-1, h.shape[-1])
-                x = acts[("mlp", i)].reshape(flat.shape[0], -1)
-                look = acts[("attn", i)].reshape(flat.shape[0], -1)
-                s = sel(i, "mlp", x, look, importance=flat.abs())
-                if s is None:
-                    return None
-                return ((flat * _as_mask(s, flat.shape[-1], flat.dtype)).reshape(h.shape),) + tuple(a[1:])
-
-            def o_pre(m, a, i=i):
-                if input_mode:
-                    return None
-                z = a[0]
-                flat = z.reshape(-1, z.shape[-1])
-                x = acts[("attn", i)].reshape(flat.shape[0], -1)
-                prev = acts.get(("mlp", i - 1)) if i > 0 else None
-                look = prev.reshape(flat.shape[0], -1) if prev is not None else x
-                s = sel(i, "attention", x, look, importance=head_contributions(flat, m.weight, heads))
-                if s is None:
-                    return None
-                hm = _as_mask(s, heads, flat.dtype)
-                hd = flat.shape[-1] // heads
-                flat = (flat.reshape(-1, heads, hd) * hm[:, :, None]).reshape(flat.shape)
-                return (flat.reshape(z.shape),) + tuple(a[1:])
-
+        self.acts: dict = {}  # (kind, layer) -> the block input seen this forward
+        self.heads = self.model.config.num_attention_heads
+        self.input_mode = getattr(self.selector, "target", "neurons") == "input"
+        for i, layer in enumerate(llama_layers(self.model)):
             self.hooks += [
-                layer.self_attn.register_forward_pre_hook(attn_pre, with_kwargs=True),
-                layer.mlp.register_forward_pre_hook(mlp_pre, with_kwargs=True),
-                layer.mlp.down_proj.register_forward_pre_hook(down_pre),
-                layer.self_attn.o_proj.register_forward_pre_hook(o_pre),
+                layer.self_attn.register_forward_pre_hook(self._record_attention_input(i), with_kwargs=True),
+                layer.mlp.register_forward_pre_hook(self._record_mlp_input(i), with_kwargs=True),
+                layer.mlp.down_proj.register_forward_pre_hook(self._mask_neurons(i)),
+                layer.self_attn.o_proj.register_forward_pre_hook(self._mask_heads(i)),
             ]
         return self
+
+    def _record_attention_input(self, i):
+        def hook(m, a, k):
+            self.acts[("attn", i)] = (a[0] if a else k["hidden_states"])
+        return hook
+
+    def _record_mlp_input(self, i):
+        """Records the MLP's input; with an input-target selector, masks the input's features."""
+        def hook(m, a, k):
+            x = a[0] if a else k["x"]
+            self.acts[("mlp", i)] = x
+            if self.input_mode:
+                flat = x.reshape(-1, x.shape[-1])
+                mask = self.selector(i, "mlp", flat, self.acts[("attn", i)].reshape(flat.shape), importance=None)
+                if mask is not None:
+                    x = (flat * mask.to(flat.dtype)).reshape(x.shape)
+                    return ((x,) + tuple(a[1:]), k) if a else (a, {**k, "x": x})
+        return hook
+
+    def _mask_neurons(self, i):
+        """Zeroes the unselected neurons of the down projection's input."""
+        def hook(m, a):
+            if self.input_mode:
+                return None
+            h = a[0]
+            flat = h.reshape(-1, h.shape[-1])
+            x = self.acts[("mlp", i)].reshape(flat.shape[0], -1)
+            look = self.acts[("attn", i)].reshape(flat.shape[0], -1)
+            s = self.selector(i, "mlp", x, look, importance=flat.abs())
+            if s is None:
+                return None
+            return ((flat * _as_mask(s, flat.shape[-1], flat.dtype)).reshape(h.shape),) + tuple(a[1:])
+        return hook
+
+    def _mask_heads(self, i):
+        """Zeroes the unselected heads of the output projection's input."""
+        def hook(m, a):
+            if self.input_mode:
+                return None
+            z = a[0]
+            heads = self.heads
+            flat = z.reshape(-1, z.shape[-1])
+            x = self.acts[("attn", i)].reshape(flat.shape[0], -1)
+            prev = self.acts.get(("mlp", i - 1)) if i > 0 else None
+            look = prev.reshape(flat.shape[0], -1) if prev is not None else x
+            s = self.selector(i, "attention", x, look, importance=head_contributions(flat, m.weight, heads))
+            if s is None:
+                return None
+            hm = _as_mask(s, heads, flat.dtype)
+            hd = flat.shape[-1] // heads
+            flat = (flat.reshape(-1, heads, hd) * hm[:, :, None]).reshape(flat.shape)
+            return (flat.reshape(z.shape),) + tuple(a[1:])
+        return hook
 
     def __exit__(self, *exc):
         for h in self.hooks:

@@ -1,7 +1,7 @@
 """Sparse kernels for Deja Vu decoding, registered as ``torch.library`` ops in namespace ``dejavu``.
 
-Ops (each with a fake kernel; CUDA runs Triton; CPU runs torch code, and for the fp32 MLP ops a
-C kernel built on first use, ``native.py``):
+Ops (each with a fake kernel; CUDA runs Triton, ``triton/``; CPU runs torch code, ``torch_impl.py``,
+and for the fp32 MLP ops a C kernel built on first use, ``cpu/``):
 - ``sparse_gated_mlp(x, w_gate, w_up, w_down_t, idx, activation, b_gate=None, b_up=None, b_down=None, check_idx=True)``
 - ``sparse_mlp(x, w_up, b_up, w_down_t, b_down, idx, activation, check_idx=True)``
 - ``sparse_head_attention(x, w_q, b_q, k_cache, v_cache, w_o_t, b_o, head_idx, cos, sin,
@@ -9,17 +9,18 @@ C kernel built on first use, ``native.py``):
 
 - ``int8_linear(x, w_int8, scale)``: the int8 predictor's GEMV (the C kernel on CPU, see ``int8.py``)
 
-The backend's CPU decode step calls three more, registered from C++ by ``native.load_ops()`` (fp32,
-inference only, no Python between Inductor's wrapper and the kernel; see ``cpu_ops.cpp``):
+The backend's CPU decode step calls three more, registered from C++ when ``cpu_ops_available()``
+builds and loads them (fp32, inference only, no Python between Inductor's wrapper and the kernel;
+see ``cpu/cpu_ops.cpp``):
 ``cpu_sparse_mlp(x, w_a, w_b, w_down_t, idx, activation, b_a, b_b, b_down)`` (w_b None: plain MLP),
 ``cpu_glu_int8_topk(x, w_int8, scale, k, activation)`` (the int8 predictor's top k, ascending) and
 ``cpu_glu_int8_mlp(x, w_int8, scale, w_down_t, k, activation, b_down)`` (the block from the int8
 predictor's own values, plan entries with values "predictor").
 
 Weight layouts are prepared once with ``prepare_gated_mlp_weights``, ``prepare_mlp_weights`` and
-``prepare_attention_weights``. Triton launchers live in ``triton_mlp`` (imported on first CUDA use,
+``prepare_attention_weights``. Triton launchers live in ``triton/`` (imported on first CUDA use,
 so this package imports without triton; don't import it eagerly: under TRITON_INTERPRET the flag is
-read at its import).
+read at its import). Activation names and kernel codes come from ``dejavu_compile.activations``.
 
 Notes for callers: inference only (no autograd formula). ``w_down_t``/``w_o_t`` should be
 contiguous (F, d) (embedding_bag would copy a strided one on every call). Per-row indices (B, k) are
@@ -28,16 +29,33 @@ idx range check syncs with the device: pass ``check_idx=False`` when the ids are
 construction (the backend does; required inside CUDA graphs), or set
 ``dejavu_compile.kernels._common.CHECK_INDICES = False`` to skip it everywhere.
 """
+import importlib.util
+
+import torch
+
 from ._common import ACTIVATIONS
 from .attention import sparse_head_attention, sparse_head_attention_torch
+from .cpu import native as _native
 from .int8 import int8_linear
 from .mlp import sparse_gated_mlp, sparse_gated_mlp_torch, sparse_mlp, sparse_mlp_torch
 from .prepare import (prepare_attention_weights, prepare_gated_mlp_weights, prepare_mlp_weights,
                       prepared_overhead)
 
+
+def cpu_ops_available() -> bool:
+    """Whether the C++ CPU decode ops (``torch.ops.dejavu.cpu_*``) are built and loaded; builds them
+    on the first call (once per machine), and warns once when that fails."""
+    return _native.load_ops()
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernels can run here: triton is installed and a CUDA device is visible.
+    Does not import the kernels (their first import fixes TRITON_INTERPRET)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+
 __all__ = [
     "ACTIVATIONS", "int8_linear", "sparse_gated_mlp", "sparse_mlp", "sparse_head_attention",
     "sparse_gated_mlp_torch", "sparse_mlp_torch", "sparse_head_attention_torch",
     "prepare_gated_mlp_weights", "prepare_mlp_weights", "prepare_attention_weights",
-    "prepared_overhead",
+    "prepared_overhead", "cpu_ops_available", "triton_available",
 ]

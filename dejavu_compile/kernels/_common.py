@@ -1,4 +1,4 @@
-"""Argument checks, activations and buffer allocation shared by the sparse ops.
+"""Argument checks, activations and buffer allocation shared by the sparse ops and their backends.
 
 Checks on shapes, dtypes and devices only look at metadata, so the fake kernels run them too (a bad
 call fails at compile time). Checks on index *values* need real data: only the real kernels run them.
@@ -6,9 +6,11 @@ call fails at compile time). Checks on index *values* need real data: only the r
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+from dejavu_compile import activations as _table
+
+# The ops take the table's own names (callers map Hugging Face aliases with activations.canonical).
+ACTIVATIONS: tuple[str, ...] = _table.NAMES
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # Set to False to skip the idx range check (it syncs with the device; a CUDA-graph capture needs
@@ -28,17 +30,9 @@ def empty(*shape, dtype, device) -> torch.Tensor:
 
 
 def activate(t: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "silu":
-        return F.silu(t)
-    if activation == "gelu":
-        return F.gelu(t)
-    if activation == "gelu_tanh":
-        return F.gelu(t, approximate="tanh")
-    if activation == "relu":
-        return F.relu(t)
-    if activation == "none":
-        return t
-    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    """The table's torch function for ``activation`` (one of ACTIVATIONS)."""
+    check_activation(activation)
+    return _table.ACTIVATIONS[activation].fn(t)
 
 
 def check_activation(activation: str) -> None:
@@ -102,3 +96,91 @@ def check_idx_range(name: str, idx: torch.Tensor, size: int) -> None:
 def rows_2d(idx: torch.Tensor, batch: int) -> torch.Tensor:
     """(batch, k) view of idx, expanded (not copied) when it is shared."""
     return idx.expand(batch, -1) if idx.dim() == 1 else idx
+
+
+def check_mlp(x, w_a, w_b, w_down_t, idx, activation, b_a, b_b, b_down, a_name, b_name) -> None:
+    """The sparse MLP ops' arguments (w_b None: plain MLP; a_name/b_name: the caller's weight names)."""
+    check_x(x)
+    check_activation(activation)
+    check_tensor(a_name, w_a, 2, x)
+    n_neurons, d = w_a.shape
+    if d != x.shape[1]:
+        raise ValueError(f"{a_name} has {d} input features but x has {x.shape[1]}")
+    if w_b is not None:
+        check_tensor(b_name, w_b, 2, x)
+        check_shape(b_name, w_b, (n_neurons, d))
+    check_tensor("w_down_t", w_down_t, 2, x)
+    if w_down_t.shape[0] != n_neurons:
+        raise ValueError(f"w_down_t must be (F={n_neurons}, d_out) (the down weight transposed), "
+                         f"got shape {tuple(w_down_t.shape)}")
+    for name, bias, size in (("b_gate" if w_b is not None else "b_up", b_a, n_neurons),
+                             ("b_up", b_b, n_neurons), ("b_down", b_down, w_down_t.shape[1])):
+        if bias is not None:
+            check_tensor(name, bias, 1, x)
+            check_shape(name, bias, (size,))
+    check_idx("idx", idx, x.shape[0], x)
+    if idx.shape[-1] > n_neurons:
+        raise ValueError(f"idx selects {idx.shape[-1]} neurons but there are only {n_neurons}")
+
+
+def check_attention(x, w_q, b_q, k_cache, v_cache, w_o_t, b_o, head_idx, cos, sin, valid_len, attn_mask,
+                    scale, rotary_dim) -> tuple[int, int, int]:
+    """The sparse_head_attention op's arguments (metadata only); returns (H, Hkv, D)."""
+    check_x(x)
+    check_tensor("k_cache", k_cache, 4, x)
+    check_tensor("v_cache", v_cache, 4, x)
+    check_shape("v_cache", v_cache, k_cache.shape)
+    nb, hkv, t, d = k_cache.shape
+    if nb != x.shape[0]:
+        raise ValueError(f"k_cache has batch {nb} but x has batch {x.shape[0]}")
+    check_tensor("w_q", w_q, 2, x)
+    if w_q.shape[1] != x.shape[1] or w_q.shape[0] % d:
+        raise ValueError(f"w_q must be (H*{d}, {x.shape[1]}), got shape {tuple(w_q.shape)}")
+    h = w_q.shape[0] // d
+    if h % hkv:
+        raise ValueError(f"{h} query heads are not a multiple of {hkv} kv heads (k_cache dim 1)")
+    check_tensor("w_o_t", w_o_t, 2, x)
+    if w_o_t.shape[0] != h * d:
+        raise ValueError(f"w_o_t must be (H*D={h * d}, hidden_out), got shape {tuple(w_o_t.shape)}")
+    if b_q is not None:
+        check_tensor("b_q", b_q, 1, x)
+        check_shape("b_q", b_q, (h * d,))
+    if b_o is not None:
+        check_tensor("b_o", b_o, 1, x)
+        check_shape("b_o", b_o, (w_o_t.shape[1],))
+    check_idx("head_idx", head_idx, nb, x)
+    if head_idx.shape[-1] > h:
+        raise ValueError(f"head_idx selects {head_idx.shape[-1]} heads but there are only {h}")
+    if not 0 <= rotary_dim <= d or rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be even and in [0, {d}], got {rotary_dim}")
+    for name, t_ in (("cos", cos), ("sin", sin)):
+        if rotary_dim == 0:
+            if t_ is not None:
+                raise ValueError(f"{name} must be None when rotary_dim == 0")
+            continue
+        check_tensor(name, t_, 2, x, float_=False)
+        if not t_.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor, got {t_.dtype}")
+        check_shape(name, t_, (nb, rotary_dim))
+    if valid_len is not None:
+        check_tensor("valid_len", valid_len, 1, x, float_=False)
+        if valid_len.dtype != torch.int64:
+            raise TypeError(f"valid_len must be int64, got {valid_len.dtype}")
+        check_shape("valid_len", valid_len, (nb,))
+    if attn_mask is not None:
+        check_tensor("attn_mask", attn_mask, 2, x, float_=False)
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise TypeError(f"attn_mask must be bool or floating, got {attn_mask.dtype}")
+        check_shape("attn_mask", attn_mask, (nb, t))
+    if not isinstance(scale, float) or scale <= 0:
+        raise ValueError(f"scale must be a positive float, got {scale!r}")
+    return h, hkv, d
+
+
+def check_attention_values(head_idx, valid_len, k_cache, h) -> None:
+    """Value checks of head_idx and valid_len: real tensors only (never in a fake kernel)."""
+    check_idx_range("head_idx", head_idx, h)
+    if valid_len is not None and CHECK_INDICES:
+        lo, hi = torch.aminmax(valid_len)
+        if int(lo) < 1 or int(hi) > k_cache.shape[2]:
+            raise ValueError(f"valid_len has values in [{int(lo)}, {int(hi)}], outside [1, {k_cache.shape[2]}]")

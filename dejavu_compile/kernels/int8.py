@@ -1,16 +1,14 @@
 """``dejavu::int8_linear``: the int8 predictor's GEMV, ``(x @ w_int8.T) * scale``.
 
 The int8 predictor (plan entries ``glu_int8``) reads the block's own gate/up weights quantized per
-row. On CPU fp32 the product runs in the C kernel of ``cpu_sparse_mlp.c`` (x quantized to int16 per
-row, integer multiply-adds, as fast as FBGEMM's int8 GEMV here and ~100x more precise in x): the
-same arithmetic as the backend's fused ``cpu_glu_int8_topk``, so calibration, the masked simulation
-and the compiled decode step score neurons with the same numbers. Without a C compiler it runs on
-FBGEMM's dynamic-quantization kernel (x quantized to 7 bits; weight packed once per tensor), which
-streams the int8 weight at memory bandwidth: SmolLM2's 2F x d predictor takes 122 us from DRAM on 2
-threads against 219 us for the best Inductor-generated loop and 317 us for the fp32 weight. Either is
-approximate (~1% relative error from the int8 weights), which is what a predictor needs: measured on
-SmolLM2, its top-k selection costs the same perplexity as the exact scores'. Elsewhere (CUDA, other
-dtypes) the op is the plain matmul on the dequantized weight.
+row. On CPU fp32 the product runs in the C kernel of ``cpu/cpu_sparse_mlp.c`` (x quantized to int16
+per row, integer multiply-adds): the same arithmetic as the backend's fused ``cpu_glu_int8_topk``,
+so calibration, the masked simulation and the compiled decode step score neurons with the same
+numbers. Without a C compiler it runs on FBGEMM's dynamic-quantization kernel (x quantized to 7
+bits; weight packed once per tensor), which streams the int8 weight at memory bandwidth, faster than
+an Inductor-generated loop or the fp32 weight. Either is approximate (the int8 weights' rounding),
+which is what a predictor needs: its top-k selection is what matters, not the scores' last bits.
+Elsewhere (CUDA, other dtypes) the op is the plain matmul on the dequantized weight.
 """
 from __future__ import annotations
 
@@ -20,7 +18,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from . import native
+from .cpu import native
 
 _PACKED: dict[int, tuple] = {}  # id(w_int8) -> (weakref to w, version, id(scale), packed params)
 _FBGEMM = any(e in torch.backends.quantized.supported_engines for e in ("x86", "fbgemm"))

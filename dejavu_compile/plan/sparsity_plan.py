@@ -1,33 +1,21 @@
 """SparsityPlan: per-layer predictors and k, bound to one model by a fingerprint.
 
 On disk (a directory):
-    plan.json          format version, fingerprint, calibration settings, one record per entry
-    predictors.safetensors   "{layer}.{kind}.A", ".B", optional ".a", ".b"
+    plan.json                format version, fingerprint, calibration settings, one record per entry
+    predictors.safetensors   "{layer}.{kind}.{tensor name}" for each entry's predictor tensors
 `SparsityPlan.load` validates everything it reads and raises ValueError naming the problem;
 `plan.check(model)` raises ValueError listing what differs between the plan's model and `model`.
+Plans of format version 1 (tensors "A", "B", "a", "b" and a "nonlinearity") load converted.
 
-Predictor kinds (entry.nonlinearity):
-    "none" / "relu":  scores = act(x A + a) B + b          (Deja Vu, A: (d, r), B: (r, total))
-    "glu":            h = x A + a, A: (d, 2r), B: (2r, total); scores = |act(h[:r] B[:r]) * (h[r:] B[r:])|
-                      a low-rank copy of the gated MLP itself (`activation` names act).
-    "glu_int8":       A: (2 total, d) int8, the block's own gate rows then up rows, quantized per row
-                      with scales a: (2 total,); scores = |act(g~) * u~| with [g~, u~] = (x A^T) * a.
-                      Near-oracle selection for gated MLPs at 1/6 of an fp32 block's bytes. Reads the
-                      block's own input (no lookahead).
-    "glu_int4":       A: (2 total, d/2) uint8, gate rows then up rows in 4 bits (two codes a byte, low
-                      nibble first, code + 8), scales a: (2 total, d/32) fp16 (one per 32 columns),
-                      optional biases b: (2 total,); [g~, u~] = x dequant(A)^T + b, scores = |act(g~) * u~|.
-                      The learned predictor for gated MLPs: fitted to the calibration activations
-                      (predictors.fit_int4_glu_predictor), 1/11 of an fp32 block's bytes. With
-                      lookahead it reads the attention block's input (and has the biases).
-    "dense":          no predictor (k == total).
+An entry's `predictor` names a kind in the table of `dejavu_compile.plan.predictors`, which says
+what its tensors are and how they score; None means no predictor (the entry keeps everything).
 
 Values of the kept neurons (entry.values):
     "exact":      the block computes act(gate.x) * (up.x) for its kept neurons from its own weights.
-    "predictor":  ("glu_int8" entries only) the kept neurons' act(g~) * u~ are the int8 predictor's own,
-                  which it computes for every neuron to score them; the block then reads only the kept
-                  rows of its down projection (gate and up weights are not read at all). Costs ~0.1%
-                  perplexity on SmolLM2 (int8 rows, one scale each), saves 2/3 of the kept rows' bytes.
+    "predictor":  the kept neurons take the predictor's own act(g~) * u~, which a kind that
+                  `gives_values` (the int8 gate/up copy) computes for every neuron to score them; the
+                  block then reads only the kept rows of its down projection (gate and up weights are
+                  not read at all), at the cost of the predictor's int8 rounding.
 """
 from __future__ import annotations
 
@@ -40,13 +28,15 @@ from typing import Any
 
 import torch
 
-from dejavu_compile import activations
+from dejavu_compile.plan import predictors
+from dejavu_compile.plan.predictors.registry import PredictorKind
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 KINDS = ("mlp", "attention")
-NONLINEARITIES = ("none", "relu", "glu", "glu_int8", "glu_int4", "dense")
-QUANTIZED = ("glu_int8", "glu_int4")  # tensors read as stored, not cast to the model dtype
 VALUES = ("exact", "predictor")
+# Format 1 named the predictor by its nonlinearity; its tensors A/B/a/b map through each kind's v1_names.
+V1_PREDICTORS = {"none": "twolayer", "relu": "twolayer_relu", "glu": "glu_lowrank", "glu_int8": "glu_int8",
+                 "glu_int4": "glu_int4", "dense": None}
 
 
 @dataclass(eq=False)  # compared by identity: == on tensor fields is ambiguous (and Dynamo compares backend options)
@@ -55,15 +45,20 @@ class PlanEntry:
     kind: str  # "mlp" | "attention"
     k: int
     total: int
-    A: torch.Tensor | None = None
-    B: torch.Tensor | None = None
-    a: torch.Tensor | None = None
-    b: torch.Tensor | None = None
-    nonlinearity: str = "none"
-    activation: str = "silu"  # used by "glu"
+    predictor: str | None = None  # a predictor kind's name; None: no predictor (k == total)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # named as the kind names them
+    activation: str = "silu"  # the block's activation (gated predictors compute act(g~) * u~)
     lookahead: bool = False
     stats: dict[str, Any] = field(default_factory=dict)  # recall, mass etc. measured at calibration
-    values: str = "exact"  # "predictor": kept neurons take the int8 predictor's act(g~) * u~ (see above)
+    values: str = "exact"  # "predictor": kept neurons take the predictor's act(g~) * u~ (see above)
+
+    def __post_init__(self):
+        if self.predictor is not None:
+            predictors.get(self.predictor)  # an unknown name fails here, naming the known ones
+
+    @property
+    def predictor_kind(self) -> PredictorKind | None:
+        return None if self.predictor is None else predictors.get(self.predictor)
 
     @property
     def density(self) -> float:
@@ -75,36 +70,9 @@ class PlanEntry:
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """(..., d) -> (..., total) predictor scores (higher = keep)."""
-        if self.A is None:
+        if self.predictor is None:
             return torch.ones(*x.shape[:-1], self.total, dtype=x.dtype, device=x.device)
-        if self.nonlinearity == "glu_int8":
-            from dejavu_compile.plan.predictors import int8_glu_scores
-
-            t = {"A": self.A.to(x.device), "a": self.a.to(x.device, torch.float32)}
-            flat = x.reshape(-1, x.shape[-1])
-            return int8_glu_scores(flat, t, activations.torch_fn(self.activation)).view(*x.shape[:-1], -1)
-        if self.nonlinearity == "glu_int4":
-            from dejavu_compile.plan.predictors import int4_glu_scores
-
-            t = {n: v.to(x.device) for n, v in self.tensors().items()}
-            flat = x.reshape(-1, x.shape[-1])
-            return int4_glu_scores(flat, t, activations.torch_fn(self.activation)).view(*x.shape[:-1], -1)
-        A = self.A.to(x.device, x.dtype if x.dtype.is_floating_point else torch.float32)
-        h = x.to(A.dtype) @ A
-        if self.a is not None:
-            h = h + self.a.to(h)
-        B = self.B.to(h)
-        if self.nonlinearity == "glu":
-            r = B.shape[0] // 2
-            act = activations.torch_fn(self.activation)
-            s = (act(h[..., :r] @ B[:r]) * (h[..., r:] @ B[r:])).abs()
-        else:
-            if self.nonlinearity == "relu":
-                h = torch.relu(h)
-            s = h @ B
-        if self.b is not None and self.nonlinearity != "glu":
-            s = s + self.b.to(s)
-        return s
+        return self.predictor_kind.scores(self.tensors, x, self.activation)
 
     def select(self, x: torch.Tensor) -> torch.LongTensor:
         """(B, d) block (or lookahead) input -> (B, k) indices of the kept neurons / heads."""
@@ -113,34 +81,19 @@ class PlanEntry:
         return self.scores(x).topk(self.k, dim=-1).indices
 
     def predictor_params(self) -> int:
-        return sum(t.numel() for t in (self.A, self.B, self.a, self.b) if t is not None)
+        return sum(t.numel() for t in self.tensors.values())
 
     def predictor_flops(self) -> int:
         """Multiply-adds x2 per token of the predictor."""
-        if self.A is None:
-            return 0
-        if self.nonlinearity == "glu_int4":
-            return 2 * 2 * self.A.numel()  # two codes a byte
-        return 2 * sum(t.numel() for t in (self.A, self.B) if t is not None)
+        return 0 if self.predictor is None else self.predictor_kind.flops(self.tensors)
 
     def predictor_bytes(self) -> int:
         """Bytes of the predictor's tensors as stored."""
-        return sum(t.numel() * t.element_size() for t in (self.A, self.B, self.a, self.b) if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def read_bytes(self, element_size: int) -> int:
         """Bytes the predictor reads per token in a model whose weights take `element_size` bytes."""
-        return predictor_read_bytes(self.tensors().values(), self.nonlinearity in QUANTIZED, element_size)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {n: t.contiguous() for n, t in (("A", self.A), ("B", self.B), ("a", self.a), ("b", self.b)) if t is not None}
-
-
-def predictor_read_bytes(tensors, quantized: bool, element_size: int) -> int:
-    """Bytes a predictor reads per token: a quantized (int8, int4) predictor's tensors as stored,
-    any other predictor's in the model's dtype (the backend casts them to it)."""
-    if quantized:
-        return sum(t.numel() * t.element_size() for t in tensors)
-    return sum(t.numel() for t in tensors) * element_size
+        return 0 if self.predictor is None else self.predictor_kind.read_bytes(self.tensors, element_size)
 
 
 def model_fingerprint(model) -> dict[str, Any]:
@@ -180,13 +133,9 @@ class SparsityPlan:
         cfg = model.config
         entries = {}
         for layer in range(cfg.num_hidden_layers):
-            entries[(layer, "mlp")] = PlanEntry(layer, "mlp", cfg.intermediate_size, cfg.intermediate_size, nonlinearity="dense")
-            entries[(layer, "attention")] = PlanEntry(
-                layer, "attention", cfg.num_attention_heads, cfg.num_attention_heads, nonlinearity="dense"
-            )
+            entries[(layer, "mlp")] = PlanEntry(layer, "mlp", cfg.intermediate_size, cfg.intermediate_size)
+            entries[(layer, "attention")] = PlanEntry(layer, "attention", cfg.num_attention_heads, cfg.num_attention_heads)
         return cls(entries, model_fingerprint(model), dict(settings or {"method": "dense"}))
-
-    full_density = dense
 
     # ---------------------------------------------------------------- summaries
     def _density(self, kind: str) -> float:
@@ -216,7 +165,7 @@ class SparsityPlan:
         for (l, kind), e in sorted(self.entries.items()):
             extra = " ".join(f"{k}={v:.3f}" for k, v in e.stats.items() if isinstance(v, float))
             values = "" if e.values == "exact" else f" values={e.values}"
-            lines.append(f"  L{l:02d} {kind:9s} k={e.k:5d}/{e.total:<5d} {e.nonlinearity:5s} lookahead={e.lookahead}{values} {extra}")
+            lines.append(f"  L{l:02d} {kind:9s} k={e.k:5d}/{e.total:<5d} {e.predictor or 'dense':13s} lookahead={e.lookahead}{values} {extra}")
         return "\n".join(lines)
 
     # ---------------------------------------------------------------- model binding
@@ -246,20 +195,15 @@ class SparsityPlan:
         d.mkdir(parents=True, exist_ok=True)
         tensors, records = {}, []
         for (layer, kind), e in sorted(self.entries.items()):
-            for n, t in e.tensors().items():
-                stored = t.detach() if e.nonlinearity in QUANTIZED else t.detach().float()  # codes and scales as they are
-                tensors[f"{layer}.{kind}.{n}"] = stored.cpu().contiguous()
+            for n, t in e.tensors.items():
+                tensors[f"{layer}.{kind}.{n}"] = e.predictor_kind.storage(t).cpu().contiguous()
             records.append(
-                {"layer": layer, "kind": kind, "k": e.k, "total": e.total, "nonlinearity": e.nonlinearity,
+                {"layer": layer, "kind": kind, "k": e.k, "total": e.total, "predictor": e.predictor,
                  "activation": e.activation, "lookahead": e.lookahead, "values": e.values,
-                 "tensors": sorted(e.tensors()), "stats": e.stats}
+                 "tensors": sorted(e.tensors), "stats": e.stats}
             )
-        digest = hashlib.sha256()
-        for name in sorted(tensors):
-            digest.update(name.encode())
-            digest.update(tensors[name].numpy().tobytes())
         meta = {"format": "dejavu-compile-plan", "version": FORMAT_VERSION, "fingerprint": self.fingerprint,
-                "settings": self.settings, "entries": records, "tensors_sha256": digest.hexdigest()}
+                "settings": self.settings, "entries": records, "tensors_sha256": _digest(tensors)}
         save_file(tensors, str(d / "predictors.safetensors"))
         (d / "plan.json").write_text(json.dumps(meta, indent=1, default=_json_default))
         return d
@@ -279,8 +223,12 @@ class SparsityPlan:
             raise ValueError(f"{meta_path} is corrupt (not valid JSON: {err})") from err
         if not isinstance(meta, dict) or meta.get("format") != "dejavu-compile-plan":
             raise ValueError(f"{meta_path} is not a dejavu-compile plan file")
-        if meta.get("version") != FORMAT_VERSION:
-            raise ValueError(f"{meta_path} has plan format version {meta.get('version')}, this code reads {FORMAT_VERSION}")
+        version = meta.get("version")
+        if isinstance(version, int) and version > FORMAT_VERSION:
+            raise ValueError(f"{meta_path} has plan format version {version}, newer than this code reads "
+                             f"(1 to {FORMAT_VERSION}): update dejavu-compile or recalibrate")
+        if version not in (1, FORMAT_VERSION):
+            raise ValueError(f"{meta_path} has unknown plan format version {version!r} (this code reads 1 to {FORMAT_VERSION})")
         records = meta.get("entries")
         if not isinstance(records, list):
             raise ValueError(f"{meta_path} is corrupt: 'entries' missing")
@@ -296,25 +244,21 @@ class SparsityPlan:
                 tensors = load_file(str(tens_path))
             except (SafetensorError, OSError, RuntimeError, ValueError) as err:
                 raise ValueError(f"{tens_path} is corrupt or truncated ({err})") from err
-            digest = hashlib.sha256()
-            for name in sorted(tensors):
-                digest.update(name.encode())
-                digest.update(tensors[name].numpy().tobytes())
-            if digest.hexdigest() != meta.get("tensors_sha256"):
+            if _digest(tensors) != meta.get("tensors_sha256"):
                 raise ValueError(f"{tens_path} does not match plan.json (checksum differs: corrupt or from another plan)")
         entries = {}
         for r in records:
             try:
                 layer, kind, k, total = int(r["layer"]), r["kind"], int(r["k"]), int(r["total"])
-                nl = r.get("nonlinearity", "none")
                 values = r.get("values", "exact")  # plans written before values existed: exact
-                if kind not in KINDS or nl not in NONLINEARITIES or values not in VALUES or not (1 <= k <= total):
+                if kind not in KINDS or values not in VALUES or not (1 <= k <= total):
                     raise ValueError(f"bad values {r!r}")
-                ts = {n: tensors[f"{layer}.{kind}.{n}"] for n in r.get("tensors", [])}
+                stored = {n: tensors[f"{layer}.{kind}.{n}"] for n in r.get("tensors", [])}
+                predictor, ts = _v1_predictor(r, stored) if version == 1 else (r.get("predictor"), stored)
+                e = PlanEntry(layer, kind, k, total, predictor, ts, r.get("activation", "silu"),
+                              bool(r.get("lookahead", False)), r.get("stats", {}), values)
             except (KeyError, TypeError, ValueError) as err:
                 raise ValueError(f"{meta_path} is corrupt: bad entry ({err})") from err
-            e = PlanEntry(layer, kind, k, total, ts.get("A"), ts.get("B"), ts.get("a"), ts.get("b"), nl,
-                          r.get("activation", "silu"), bool(r.get("lookahead", False)), r.get("stats", {}), values)
             _validate_entry(e)
             entries[(layer, kind)] = e
         plan = cls(entries, meta.get("fingerprint", {}), meta.get("settings", {}))
@@ -323,37 +267,50 @@ class SparsityPlan:
         return plan
 
 
+def _v1_predictor(record: dict, stored: dict[str, torch.Tensor]) -> tuple[str | None, dict[str, torch.Tensor]]:
+    """A format-1 record's predictor name and tensors, renamed as its kind names them."""
+    nonlinearity = record.get("nonlinearity", "none")
+    if nonlinearity not in V1_PREDICTORS:
+        raise ValueError(f"unknown nonlinearity {nonlinearity!r}")
+    name = V1_PREDICTORS[nonlinearity]
+    if not stored:
+        return None, {}  # format 1 wrote tensorless (dense) entries with any nonlinearity
+    if name is None:
+        raise ValueError("a 'dense' entry with predictor tensors")
+    renames = predictors.get(name).v1_names
+    unknown = set(stored) - set(renames)
+    if unknown:
+        raise ValueError(f"{nonlinearity!r} entry with unexpected tensors {sorted(unknown)}")
+    return name, {renames[old]: t for old, t in stored.items()}
+
+
 def _validate_entry(e: PlanEntry) -> None:
+    where = f"plan entry layer {e.layer} {e.kind}"
     if e.values not in VALUES:
-        raise ValueError(f"plan entry layer {e.layer} {e.kind}: values must be one of {VALUES}, got {e.values!r}")
-    if e.values == "predictor" and e.nonlinearity not in ("glu_int8", "dense"):
-        raise ValueError(f"plan entry layer {e.layer} {e.kind}: values 'predictor' needs the int8 gate/up "
-                         f"predictor ('glu_int8'), got {e.nonlinearity!r}")
-    if e.A is None:
+        raise ValueError(f"{where}: values must be one of {VALUES}, got {e.values!r}")
+    kind = e.predictor_kind
+    if e.values == "predictor" and kind is not None and not kind.gives_values:
+        givers = [n for n in predictors.names() if predictors.get(n).gives_values]
+        raise ValueError(f"{where}: values 'predictor' needs the int8 gate/up predictor (a kind that gives "
+                         f"the neurons' values: {', '.join(map(repr, givers))}), got {e.predictor!r}")
+    if kind is None:
         if not e.dense:
-            raise ValueError(f"plan entry layer {e.layer} {e.kind}: k={e.k} < total={e.total} but no predictor")
+            raise ValueError(f"{where}: k={e.k} < total={e.total} but no predictor")
+        if e.tensors:
+            raise ValueError(f"{where}: tensors {sorted(e.tensors)} but no predictor")
         return
-    if e.nonlinearity == "glu_int8":
-        if (e.A.dtype != torch.int8 or e.A.dim() != 2 or e.A.shape[0] != 2 * e.total
-                or e.a is None or tuple(e.a.shape) != (2 * e.total,)):
-            raise ValueError(f"plan entry layer {e.layer} {e.kind}: int8 predictor needs A int8 (2*{e.total}, d) "
-                             f"and scales a ({2 * e.total},), got A {e.A.dtype} {tuple(e.A.shape)}")
-        return
-    if e.nonlinearity == "glu_int4":
-        rows = 2 * e.total
-        ok = (e.A.dtype == torch.uint8 and e.A.dim() == 2 and e.A.shape[0] == rows and e.a is not None
-              and e.a.dim() == 2 and e.a.shape[0] == rows and e.a.shape[1] > 0
-              and (2 * e.A.shape[1]) % e.a.shape[1] == 0 and (e.b is None or tuple(e.b.shape) == (rows,)))
-        if not ok:
-            raise ValueError(f"plan entry layer {e.layer} {e.kind}: int4 predictor needs A uint8 ({rows}, d/2), "
-                             f"scales a ({rows}, groups) and optional biases b ({rows},), got A {e.A.dtype} "
-                             f"{tuple(e.A.shape)}, a {None if e.a is None else tuple(e.a.shape)}")
-        return
-    if e.B is None or e.A.dim() != 2 or e.B.dim() != 2 or e.A.shape[1] != e.B.shape[0] or e.B.shape[1] != e.total:
-        raise ValueError(
-            f"plan entry layer {e.layer} {e.kind}: predictor shapes A {tuple(e.A.shape)}, "
-            f"B {None if e.B is None else tuple(e.B.shape)} do not fit total={e.total}"
-        )
+    try:
+        kind.validate(e.tensors, e.total)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _json_default(o):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 # Architectures the foundation is checked on; any HF decoder built from the same parts should match.
-ARCHITECTURES = ("opt", "gpt2", "llama", "mistral", "qwen2", "gemma3_text", "gpt_neox", "phi3")
+ARCHITECTURES = ("opt", "gpt2", "llama", "mistral", "qwen2", "gemma3_text", "gpt_neox", "phi3", "nemotron")
 
 
 def tiny_config(arch: str, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,

@@ -92,7 +92,7 @@ def emit_weighted_row_sum(graph, idx, weights, n, table, bias) -> fx.Node:
     """(B, out) = sum_j weights[b, j] * table[idx[b, j]] (+ bias): embedding_bag, rows read in place.
 
     One bag per row runs on one thread: each row's n ids are cut into `bags` bags (summed after), so
-    the row sums run on all cores (SmolLM2 MLP shapes, 2 threads: 104 -> 59 us per layer at n=768).
+    the row sums run on all cores (benchmarks/README.md, "Splitting the row sums into bags").
     When no bag count divides n, each row is padded with up to 3 ids of row 0 at weight 0 (calibrated
     plans keep k on multiples of 32; a hand-made plan need not: 70% of SmolLM2's 1536 is 1075)."""
     bags = next((s for s in (4, 3, 2) if n % s == 0 and n // s >= 32), min(4, n // 32))

@@ -339,15 +339,6 @@ def evaluate(nodes: list[fx.Node], env: dict[fx.Node, object]) -> dict[fx.Node, 
     return env
 
 
-def region_between(graph: nx.DiGraph, sources: set[fx.Node], sink: fx.Node) -> set[fx.Node]:
-    """Nodes on some path from one of ``sources`` to ``sink`` (both ends included)."""
-    upstream = nx.ancestors(graph, sink) | {sink}
-    region = set()
-    for source in sources:
-        region |= (nx.descendants(graph, source) | {source}) & upstream
-    return region
-
-
 def location(node: fx.Node) -> str:
     """A readable place for reports: the innermost module that produced ``node``."""
     stack = node.meta.get("nn_module_stack")

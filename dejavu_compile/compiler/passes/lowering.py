@@ -1,39 +1,142 @@
-"""Which kernel a CPU sparse MLP is lowered to, and the decomposed (aten) form."""
+"""Which kernels a sparse MLP is lowered to: a registry of kernel lowerings.
+
+A :class:`KernelLowering` says where it runs (device types, dtypes, an availability check) and how
+it writes a sparse MLP into the graph (``emit_mlp``); it may also fuse the int8 predictor's scoring
+and top-k (``emit_int8_topk``) and the whole block from the int8 predictor's values
+(``emit_int8_values_mlp``), otherwise the aten forms of ``predictor_graph`` are used. A new backend
+is one folder of kernels (registering ``torch.ops.dejavu.*``) plus one :func:`register_lowering`.
+
+Built-in entries:
+
+- ``native``: the C++ ops of the kernels package (``torch.ops.dejavu.cpu_sparse_mlp``,
+  ``cpu_glu_int8_topk``, ``cpu_glu_int8_mlp``), CPU fp32, weight rows contiguous; called straight
+  from Inductor's wrapper code, no Python per call.
+- ``decomposed``: aten gathers and ``embedding_bag`` that Inductor fuses into the decode step's
+  kernels (CPU).
+- ``op``: the public custom ops ``torch.ops.dejavu.sparse_gated_mlp`` / ``sparse_mlp`` (any device:
+  torch code on CPU, Triton on CUDA).
+- ``triton``: the same custom ops on CUDA; on CPU tensors the Triton launchers themselves, under
+  the Triton interpreter (``TRITON_INTERPRET=1``) and ``inner="eager"`` only (a check of the
+  kernels inside a whole model, not a fast path).
+
+The choice (:func:`choose_lowering`) keeps the ``cpu_lowering`` option's meaning: "auto" takes the C++
+ops where they build and apply, else the decomposed form under Inductor (the custom op's Python
+call per layer would cost more than it saves) and the custom op under eager; the ``lowering``
+option forces one entry by name.
+"""
 from __future__ import annotations
 
+import importlib.util
 import logging
 import operator
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
 
-from dejavu_compile import activations
-from dejavu_compile.compiler.blocks import WeightRef
+from dejavu_compile import activations, kernels  # kernels: also registers the dejavu:: ops
+from dejavu_compile.compiler.blocks import MLPBlock, WeightRef
 from dejavu_compile.compiler.passes.graph_build import emit_gather_gemv, emit_weighted_row_sum
-from dejavu_compile.kernels import native
+from dejavu_compile.compiler.passes.predictor_graph import int8_constants
+from dejavu_compile.errors import DejavuOptionError
 
 log = logging.getLogger("dejavu_compile")
 
 
-def cpu_lowering(opts, weight, rows_contiguous: bool = True) -> str | None:
-    """How a CPU sparse MLP is lowered: "native" (the C++ ops of kernels/cpu_ops.cpp, called straight
-    from Inductor's wrapper), "decomposed" (aten gathers that Inductor fuses) or "op" (the public
-    custom op); None off the CPU (the custom op, Triton on CUDA).
+@dataclass
+class SparseMLPNodes:
+    """The graph values a sparse MLP lowering reads: x2d (tokens, d); idx (tokens, k) neuron ids;
+    gate/up as (F, d) row views (gate None for a plain MLP); w_down_t (F, d_out)."""
 
-    "auto" takes "native" for fp32 weights when the C++ ops build, else "decomposed" under Inductor
-    and "op" under eager; so does a block whose weight rows are not contiguous (GPT-2's Conv1D
-    (in, out) weights), which the C kernel cannot read. Measured inside SmolLM2 decode steps, a custom op with a Python kernel
-    costs ~140 us a call and torch.topk ~55 us with the caches a step leaves, which is what made
-    the op and the decomposed form lose to dense there (benchmarks/README.md)."""
+    block: MLPBlock
+    x2d: fx.Node
+    idx: fx.Node
+    k: int
+    w_gate: Optional[fx.Node]
+    b_gate: Optional[fx.Node]
+    w_up: fx.Node
+    b_up: Optional[fx.Node]
+    w_down_t: fx.Node
+    b_down: Optional[fx.Node]
+    device: torch.device  # of the weights
+
+
+@dataclass(frozen=True)
+class KernelLowering:
+    name: str
+    device_types: tuple[str, ...]
+    dtypes: Optional[tuple[torch.dtype, ...]]  # None: any floating dtype
+    is_available: Callable[[dict, str], bool]  # (backend options, device type) -> whether it can run here
+    emit_mlp: Callable[[fx.Graph, SparseMLPNodes], fx.Node]  # -> (tokens, d_out)
+    needs_contiguous_rows: bool = False  # gate/up rows must have unit stride (not Conv1D's (in, out))
+    # (gm, graph, entry, x2d, prefix, device) -> (tokens, k) ids: int8 predictor scores and top-k in one op
+    emit_int8_topk: Optional[Callable] = None
+    # (gm, graph, block, entry, x2d, w_down_t, b_down, prefix, device) -> (output node, predictor node)
+    emit_int8_values_mlp: Optional[Callable] = None
+
+    def applies(self, opts: dict, weight: Optional[torch.Tensor], rows_contiguous: bool = True) -> bool:
+        """Whether this lowering can take a block whose up weight is ``weight`` (its example value)."""
+        device = weight.device.type if weight is not None else "cpu"
+        dtype = weight.dtype if weight is not None else torch.float32
+        return (device in self.device_types and (self.dtypes is None or dtype in self.dtypes)
+                and (rows_contiguous or not self.needs_contiguous_rows) and self.is_available(opts, device))
+
+
+_LOWERINGS: dict[str, KernelLowering] = {}
+
+
+def register_lowering(lowering: KernelLowering, *, replace: bool = False) -> KernelLowering:
+    if lowering.name in _LOWERINGS and not replace:
+        raise ValueError(f"a kernel lowering named {lowering.name!r} is already registered (pass replace=True)")
+    _LOWERINGS[lowering.name] = lowering
+    return lowering
+
+
+def registered_lowerings() -> dict[str, KernelLowering]:
+    return dict(_LOWERINGS)
+
+
+def lowering_named(name: str) -> KernelLowering:
+    if name not in _LOWERINGS:
+        raise DejavuOptionError(f"no kernel lowering named {name!r}; registered: {sorted(_LOWERINGS)}")
+    return _LOWERINGS[name]
+
+
+def preference(opts: dict) -> tuple[str, ...]:
+    """The lowerings to try, first that applies wins. Off the CPU only "triton" and "op" apply."""
+    forced = opts.get("lowering")
+    if forced is not None:
+        return (forced,)
+    choice = opts.get("cpu_lowering", "auto")
+    if choice == "auto":
+        cpu_fallback = "decomposed" if opts.get("inner", "inductor") == "inductor" else "op"
+        return ("triton", "native", cpu_fallback, "op")
+    if choice == "native":
+        return ("triton", "native", "op")
+    return ("triton", choice, "op")
+
+
+def choose_lowering(opts: dict, weight: Optional[torch.Tensor], rows_contiguous: bool = True) -> KernelLowering:
+    """The kernel lowering for a sparse MLP whose up weight is ``weight`` (see :func:`preference`)."""
+    names = preference(opts)
+    for name in names:
+        lowering = lowering_named(name)
+        if lowering.applies(opts, weight, rows_contiguous):
+            return lowering
+    device = weight.device.type if weight is not None else "cpu"
+    raise DejavuOptionError(f"kernel lowering {names[0]!r} cannot run here (device {device}, "
+                            f"inner={opts.get('inner', 'inductor')!r}, dtype "
+                            f"{weight.dtype if weight is not None else torch.float32})")
+
+
+def cpu_lowering(opts, weight, rows_contiguous: bool = True) -> str | None:
+    """The name of the CPU lowering a sparse MLP gets ("native", "decomposed" or "op"); None off the
+    CPU (the custom op, which runs Triton on CUDA)."""
     if weight is not None and weight.device.type != "cpu":
         return None
-    choice = opts.get("cpu_lowering", "auto")
-    fp32 = weight is None or weight.dtype == torch.float32
-    if choice in ("auto", "native") and fp32 and rows_contiguous and native.load_ops():
-        return "native"
-    if choice == "auto":
-        return "decomposed" if opts["inner"] == "inductor" else "op"
-    return "op" if choice == "native" else choice
+    return choose_lowering(opts, weight, rows_contiguous).name
 
 
 def unit_stride_rows(ref: WeightRef, value) -> bool:
@@ -41,23 +144,107 @@ def unit_stride_rows(ref: WeightRef, value) -> bool:
     return ref.layout != "in_out" and value is not None and value.stride(-1) == 1
 
 
-def emit_decomposed(graph, block, x2d, idx, k, w_gate, b_gate, w_up, b_up, w_down_t, b_down) -> fx.Node:
+# ---------------------------------------------------------------------------------------------
+# availability
+
+
+def cpu_ops_available(opts: dict, device: str) -> bool:
+    """Whether the C++ ops (``torch.ops.dejavu.cpu_*``) are built and registered (builds them once)."""
+    return kernels.cpu_ops_available()
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run on CPU tensors here: TRITON_INTERPRET=1 was set before the
+    launchers were imported (importing them earlier without it fixes them to compiled kernels)."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None:
+        return False
+    from dejavu_compile.kernels.triton import mlp as triton_mlp
+
+    return bool(triton_mlp.interpreted())
+
+
+def triton_available(opts: dict, device: str) -> bool:
+    """CUDA: Triton is installed. CPU tensors (the interpreter) only when asked for by name under
+    inner="eager": the graph then calls the launchers as plain functions, which Inductor cannot trace."""
+    if device == "cuda":
+        return kernels.triton_available()
+    return opts.get("lowering") == "triton" and opts.get("inner") == "eager" and triton_interpreted()
+
+
+# ---------------------------------------------------------------------------------------------
+# emitters
+
+
+def emit_custom_op(graph, m: SparseMLPNodes) -> fx.Node:
+    """``dejavu::sparse_gated_mlp`` / ``sparse_mlp`` (check_idx=False: the ids come from topk)."""
+    if m.block.gated:
+        return graph.call_function(torch.ops.dejavu.sparse_gated_mlp.default,
+                                   (m.x2d, m.w_gate, m.w_up, m.w_down_t, m.idx, m.block.activation,
+                                    m.b_gate, m.b_up, m.b_down, False))
+    return graph.call_function(torch.ops.dejavu.sparse_mlp.default,
+                               (m.x2d, m.w_up, m.b_up, m.w_down_t, m.b_down, m.idx, m.block.activation, False))
+
+
+def emit_native(graph, m: SparseMLPNodes) -> fx.Node:
+    """``dejavu::cpu_sparse_mlp``: the C kernel's (w_a, w_b) are (gate, up), or (up, None) for a plain MLP."""
+    w_a, b_a, w_b, b_b = (m.w_gate, m.b_gate, m.w_up, m.b_up) if m.block.gated else (m.w_up, m.b_up, None, None)
+    return graph.call_function(torch.ops.dejavu.cpu_sparse_mlp.default,
+                               (m.x2d, w_a, w_b, m.w_down_t, m.idx, m.block.activation, b_a, b_b, m.b_down))
+
+
+def emit_native_int8_topk(gm, graph, entry, x2d, prefix, device) -> fx.Node:
+    q, scale = int8_constants(gm, graph, entry, prefix, device)
+    return graph.call_function(torch.ops.dejavu.cpu_glu_int8_topk.default,
+                               (x2d, q, scale, entry.k, activations.canonical(entry.activation)))
+
+
+def emit_native_int8_values_mlp(gm, graph, block, entry, x2d, w_down_t, b_down, prefix, device):
+    q, scale = int8_constants(gm, graph, entry, prefix, device)
+    both = graph.call_function(torch.ops.dejavu.cpu_glu_int8_mlp.default,
+                               (x2d, q, scale, w_down_t, entry.k, activations.canonical(entry.activation), b_down))
+    return graph.call_function(operator.getitem, (both, 0)), both
+
+
+def emit_decomposed(graph, m: SparseMLPNodes) -> fx.Node:
     """sum_j act(w_gate[j].x) * (w_up[j].x) * w_down_t[j] over j in idx, as plain aten ops that
     Inductor schedules in one graph (no per-layer op call): it turns the one-column bmm into a
     reduction and fuses the index_select into it (one loop reading the selected gate/up rows in
     place, nothing copied), and the down projection is a weighted row sum read in place
-    (embedding_bag). Measured fastest of the forms tried on CPU."""
-    flat_idx = graph.call_method("reshape", (idx, -1))
-    xb = graph.call_method("unsqueeze", (x2d, -1))  # (B, d, 1)
+    (embedding_bag)."""
+    flat_idx = graph.call_method("reshape", (m.idx, -1))
+    xb = graph.call_method("unsqueeze", (m.x2d, -1))  # (B, d, 1)
 
     def project(weight, bias):
-        return emit_gather_gemv(graph, weight, bias, idx, flat_idx, xb)
+        return emit_gather_gemv(graph, weight, bias, m.idx, flat_idx, xb)
 
-    fn = activations.torch_fn(block.activation)
-    if block.gated:
-        hidden = graph.call_function(operator.mul, (graph.call_function(fn, (project(w_gate, b_gate),)),
-                                                    project(w_up, b_up)))
+    fn = activations.torch_fn(m.block.activation)
+    if m.block.gated:
+        hidden = graph.call_function(operator.mul, (graph.call_function(fn, (project(m.w_gate, m.b_gate),)),
+                                                    project(m.w_up, m.b_up)))
     else:
-        hidden = graph.call_function(fn, (project(w_up, b_up),))
-    return emit_weighted_row_sum(graph, idx, hidden, k, w_down_t, b_down)
+        hidden = graph.call_function(fn, (project(m.w_up, m.b_up),))
+    return emit_weighted_row_sum(graph, m.idx, hidden, m.k, m.w_down_t, m.b_down)
 
+
+def emit_triton(graph, m: SparseMLPNodes) -> fx.Node:
+    """The custom op (Triton on CUDA); on CPU tensors the interpreted Triton launchers, called from
+    the graph as plain functions (hence eager only: Inductor cannot trace a kernel launch on CPU)."""
+    if m.device.type != "cpu":
+        return emit_custom_op(graph, m)
+    from dejavu_compile.kernels.triton import mlp as triton_mlp
+
+    if m.block.gated:
+        return graph.call_function(triton_mlp.sparse_gated_mlp_triton,
+                                   (m.x2d, m.w_gate, m.w_up, m.w_down_t, m.idx, m.block.activation,
+                                    m.b_gate, m.b_up, m.b_down), {"check": False})
+    return graph.call_function(triton_mlp.sparse_mlp_triton,
+                               (m.x2d, m.w_up, m.b_up, m.w_down_t, m.b_down, m.idx, m.block.activation),
+                               {"check": False})
+
+
+register_lowering(KernelLowering("native", ("cpu",), (torch.float32,), cpu_ops_available, emit_native,
+                                 needs_contiguous_rows=True, emit_int8_topk=emit_native_int8_topk,
+                                 emit_int8_values_mlp=emit_native_int8_values_mlp))
+register_lowering(KernelLowering("decomposed", ("cpu",), None, lambda opts, device: True, emit_decomposed))
+register_lowering(KernelLowering("op", ("cpu", "cuda"), None, lambda opts, device: True, emit_custom_op))
+register_lowering(KernelLowering("triton", ("cuda", "cpu"), None, triton_available, emit_triton))

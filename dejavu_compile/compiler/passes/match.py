@@ -97,3 +97,14 @@ def match_blocks(gm: fx.GraphModule, rules=None) -> MatchResult:
             for layer in sorted(result.layers - have):
                 result.fallbacks.append((f"layer {layer}", f"no {kind} block matched in this layer"))
     return result
+
+
+class MatchPass:
+    """Records the matched blocks on the report (``report.match``); the graph is not changed."""
+
+    name = "match"
+
+    def __call__(self, gm: fx.GraphModule, ctx) -> fx.GraphModule:
+        ctx.report.match = match_blocks(gm)
+        ctx.count(self.name, len(ctx.report.match.blocks))
+        return gm

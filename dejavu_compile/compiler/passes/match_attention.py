@@ -241,83 +241,36 @@ class AttentionRule:
                 yield block
 
     def _match_core(self, ctx, graph, node, core, linears_by_input):
+        """The attention block around the SDPA call ``node``, or None (reason recorded as a fallback)."""
         q, k, v, kind = core
         where = location(node)
         q_shape = shape_of(q)
         if q_shape is None or len(q_shape) != 4:
             return ctx.fallback(node, where, "attention query is not (batch, heads, tokens, head_dim)")
         _, num_heads, tokens, head_dim = q_shape
-
-        # Output projection: reshapes only between the attention output and its input.
-        cur, chain = node, []
-        while cur not in linears_by_input:
-            users = list(cur.users)
-            if len(users) != 1 or not is_shape_op(users[0]):
-                return ctx.fallback(node, where, "no output projection after the attention output")
-            cur = users[0]
-            chain.append(cur)
-        o_lin = linears_by_input[cur][0]
+        found = _output_projection(node, linears_by_input)
+        if isinstance(found, str):
+            return ctx.fallback(node, where, found)
+        o_lin, chain, o_input = found
         if ctx.is_claimed(o_lin.call):
             return None
-        out_shape = shape_of(node)
-        ids = torch.arange(num_heads * tokens * head_dim, dtype=torch.float64)
-        ids = ids.view(tokens, num_heads, head_dim).transpose(0, 1)[None].expand(out_shape[0], -1, -1, -1)
-        try:
-            o_in = evaluate(chain, {node: ids})[cur] if chain else ids
-        except Exception as exc:
-            return ctx.fallback(o_lin.call, where, f"cannot follow the heads into the output projection ({exc})")
-        expected = torch.arange(tokens * num_heads * head_dim, dtype=torch.float64)
-        if tuple(o_in.shape[-1:]) != (num_heads * head_dim,) or not torch.equal(o_in[0].reshape(-1), expected):
-            return ctx.fallback(o_lin.call, where, "output projection does not read heads in order")
+        reason = _heads_in_order_reason(node, chain, o_input, num_heads, tokens, head_dim)
+        if reason is None:
+            roles = _qkv_projections(ctx, graph, {"q": q, "k": k, "v": v}, head_dim)
+            reason = roles if isinstance(roles, str) else None
+        if reason is None:
+            inputs = {ctx.see_through(lin.x) for lin, _, _ in roles.values()}
+            num_kv = roles["k"][1].shape[0]
+            if len(inputs) != 1:
+                reason = "q, k and v read different inputs (cross-attention?)"
+            elif roles["v"][1].shape[0] != num_kv or num_heads % num_kv:
+                reason = "key and value head counts do not fit the query heads"
+        if reason is not None:
+            return ctx.fallback(o_lin.call, where, reason)
 
-        roles = {}
-        for role, tensor in (("q", q), ("k", k), ("v", v)):
-            projections = frontier_linears(graph, tensor, ctx.linears)
-            if len(projections) != 1:
-                return ctx.fallback(o_lin.call, where, f"{role} comes from {len(projections)} projections")
-            lin = projections[0]
-            found = _head_rows(graph, lin, tensor, head_dim)
-            if found is None:
-                return ctx.fallback(o_lin.call, where, f"cannot map the heads of {role} to rows of {lin.weight_name}")
-            roles[role] = (lin, *found)
-        inputs = {ctx.see_through(lin.x) for lin, _, _ in roles.values()}
-        if len(inputs) != 1:
-            return ctx.fallback(o_lin.call, where, "q, k and v read different inputs (cross-attention?)")
-        num_kv = roles["k"][1].shape[0]
-        if roles["v"][1].shape[0] != num_kv or num_heads % num_kv:
-            return ctx.fallback(o_lin.call, where, "key and value head counts do not fit the query heads")
-
-        k_lin, _, k_heads = roles["k"]
-        path = nx.descendants(graph, k_heads) & nx.ancestors(graph, k)
-        cache = "none"
-        for n in path | {k}:
-            if is_op(n, methods={"index_copy_", "copy_", "index_put_"}):
-                cache = "index_copy"
-            elif n.op == "call_function" and n.target is torch.cat and cache == "none":
-                dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0)
-                if dim % 4 == 2:
-                    cache = "cat"
         q_lin, _, q_heads = roles["q"]
-        q_path = (nx.descendants(graph, q_lin.out) & (nx.ancestors(graph, q) | {q})) | {q_lin.out}
-        rotary = "none"
-        if any(is_op(n, {operator.mul, torch.mul}, {"mul"}) and
-               any(a not in q_path and _is_rotary_factor(graph, a) for a in n.all_input_nodes) for n in q_path):
-            sliced = [n for n in q_path if n.op == "call_function" and n.target is operator.getitem
-                      and n.args[0] in q_path and isinstance(n.args[1], tuple) and shape_of(n)
-                      and shape_of(n)[-1] > 0 and shape_of(n)[-1] < head_dim]
-            partial = any(_passes_unrotated(graph, n, q, q_path) for n in sliced)
-            rotary = "partial" if partial else "full"
-        qk_norm = _qk_norm(graph, q_lin, q_heads, head_dim)
-
-        weights = {}
-        head_rows = {}
-        for role, (lin, rows, _) in roles.items():
-            span = _rows_span(rows)
-            full = span == (0, lin.out_features)
-            weights[role] = ctx.weight_ref(lin, None if full else span)
-            head_rows[role] = rows
+        weights = {role: ctx.weight_ref(lin, _weight_rows(lin, rows)) for role, (lin, rows, _) in roles.items()}
         weights["o"] = ctx.weight_ref(o_lin, None)
-        names = [w.name for w in weights.values()]
         layer = layer_index(o_lin.weight_name)
         block = AttentionBlock(
             layer=-1 if layer is None else layer,
@@ -326,18 +279,96 @@ class AttentionRule:
             num_heads=num_heads,
             num_kv_heads=num_kv,
             head_dim=head_dim,
-            rotary=rotary,
-            qk_norm=qk_norm,
-            cache=cache,
+            rotary=_rotary_kind(graph, q_lin, q, head_dim),
+            qk_norm=_qk_norm(graph, q_lin, q_heads, head_dim),
+            cache=_cache_kind(graph, roles["k"][2], k),
             attention=kind,
             kv_sharing="mha" if num_kv == num_heads else ("mqa" if num_kv == 1 else "gqa"),
             decode=tokens == 1,
             tokens=tokens,
             batch=q_shape[0],
-            module=common_module(names),
+            module=common_module([w.name for w in weights.values()]),
             nodes={"input": next(iter(inputs)), "core": node, "output": o_lin.out, "o": o_lin.call,
-                   "o_input": cur, "q": roles["q"][0].call, "k": roles["k"][0].call, "v": roles["v"][0].call,
-                   "q_out": q_lin.out, "q_x": q_lin.x, "head_rows": head_rows, "q_heads": q_heads},
+                   "o_input": o_input, "q": roles["q"][0].call, "k": roles["k"][0].call, "v": roles["v"][0].call,
+                   "q_out": q_lin.out, "q_x": q_lin.x, "head_rows": {r: rows for r, (_, rows, _) in roles.items()},
+                   "q_heads": q_heads},
         )
         ctx.claim(o_lin.call, block, [node])
         return block
+
+
+def _weight_rows(lin: LinearCall, rows: torch.Tensor):
+    """The (start, stop) rows of the weight a role's heads span; None when that is all of it."""
+    span = _rows_span(rows)
+    return None if span == (0, lin.out_features) else span
+
+
+def _output_projection(node: fx.Node, linears_by_input):
+    """The projection reading the attention output through reshapes only: (its LinearCall, the
+    reshape chain, the node it reads), or why there is none."""
+    cur, chain = node, []
+    while cur not in linears_by_input:
+        users = list(cur.users)
+        if len(users) != 1 or not is_shape_op(users[0]):
+            return "no output projection after the attention output"
+        cur = users[0]
+        chain.append(cur)
+    return linears_by_input[cur][0], chain, cur
+
+
+def _heads_in_order_reason(node, chain, o_input, num_heads, tokens, head_dim) -> str | None:
+    """Why the output projection does not read the heads as (tokens, heads * head_dim) in order
+    (the reshape chain is run on position ids), or None."""
+    ids = torch.arange(num_heads * tokens * head_dim, dtype=torch.float64)
+    ids = ids.view(tokens, num_heads, head_dim).transpose(0, 1)[None].expand(shape_of(node)[0], -1, -1, -1)
+    try:
+        o_in = evaluate(chain, {node: ids})[o_input] if chain else ids
+    except Exception as exc:
+        return f"cannot follow the heads into the output projection ({exc})"
+    expected = torch.arange(tokens * num_heads * head_dim, dtype=torch.float64)
+    if tuple(o_in.shape[-1:]) != (num_heads * head_dim,) or not torch.equal(o_in[0].reshape(-1), expected):
+        return "output projection does not read heads in order"
+    return None
+
+
+def _qkv_projections(ctx, graph, tensors: dict, head_dim: int):
+    """role -> (projection, (heads, head_dim) row table, the node where its heads are split off) for
+    q, k and v, or why one of them does not come from one projection's rows."""
+    roles = {}
+    for role, tensor in tensors.items():
+        projections = frontier_linears(graph, tensor, ctx.linears)
+        if len(projections) != 1:
+            return f"{role} comes from {len(projections)} projections"
+        lin = projections[0]
+        found = _head_rows(graph, lin, tensor, head_dim)
+        if found is None:
+            return f"cannot map the heads of {role} to rows of {lin.weight_name}"
+        roles[role] = (lin, *found)
+    return roles
+
+
+def _cache_kind(graph: nx.DiGraph, k_heads: fx.Node, k: fx.Node) -> str:
+    """How keys reach attention: "index_copy" (a static cache written in place), "cat" (a
+    dynamic cache grown along the tokens dim) or "none"."""
+    cache = "none"
+    for n in (nx.descendants(graph, k_heads) & nx.ancestors(graph, k)) | {k}:
+        if is_op(n, methods={"index_copy_", "copy_", "index_put_"}):
+            cache = "index_copy"
+        elif n.op == "call_function" and n.target is torch.cat and cache == "none":
+            dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0)
+            if dim % 4 == 2:
+                cache = "cat"
+    return cache
+
+
+def _rotary_kind(graph: nx.DiGraph, q_lin: LinearCall, q: fx.Node, head_dim: int) -> str:
+    """"full", "partial" (part of each head passes unrotated) or "none": whether the query path
+    multiplies by rotary factors, and whether a slice of the head skips them."""
+    q_path = (nx.descendants(graph, q_lin.out) & (nx.ancestors(graph, q) | {q})) | {q_lin.out}
+    if not any(is_op(n, {operator.mul, torch.mul}, {"mul"}) and
+               any(a not in q_path and _is_rotary_factor(graph, a) for a in n.all_input_nodes) for n in q_path):
+        return "none"
+    sliced = [n for n in q_path if n.op == "call_function" and n.target is operator.getitem
+              and n.args[0] in q_path and isinstance(n.args[1], tuple) and shape_of(n)
+              and shape_of(n)[-1] > 0 and shape_of(n)[-1] < head_dim]
+    return "partial" if any(_passes_unrotated(graph, n, q, q_path) for n in sliced) else "full"

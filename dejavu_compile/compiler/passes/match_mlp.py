@@ -156,53 +156,45 @@ class MLPRule:
                 yield block
 
     def _classify(self, ctx, down: LinearCall, region, leaves, where):
-        leaf_items = list(leaves.items())
-        inputs = {ctx.see_through(lin.x) for lin, _ in leaves.values()}
-        if len(leaf_items) > 2:
-            return ctx.fallback(down.call, where, f"{len(leaf_items)} projections feed the down projection")
-        if len(inputs) != 1:
-            return ctx.fallback(down.call, where, "gate and up projections read different inputs")
-        inside = set(region) | {down.call, *leaves} | _flatten_chain(down)
-        for node in [*region, *leaves]:
-            outside = [u for u in node.users if u not in inside]
-            if outside:
-                return ctx.fallback(down.call, where, f"intermediate {node.name} is also used by "
-                                    f"{outside[0].name} outside the block")
+        """The MLP block closed by ``down``, or None with the reason recorded as a fallback."""
+        reason = _structure_reason(ctx, down, region, leaves)
+        if reason is not None:
+            return ctx.fallback(down.call, where, reason)
+        try:
+            found = self._identify_activation(region, list(leaves))
+        except Exception as exc:  # an op the probe cannot run: not understood, so dense
+            return ctx.fallback(down.call, where, f"cannot evaluate the activation region ({exc})")
+        if found is None:
+            form = "act(up)" if len(leaves) == 1 else "act(gate) * up"
+            return ctx.fallback(down.call, where, f"element-wise region is not {form} for any known "
+                                f"activation ({', '.join(self.activations)})")
+        activation, gate, up_node = found
+        return self._block(ctx, down, leaves, activation, gate, up_node)
+
+    def _identify_activation(self, region, leaf_nodes):
+        """Which known activation the region computes, found by running it on probe values:
+        act(up) for one leaf, act(gate) * up for two (either order). Returns (activation, gate leaf
+        or None, up leaf), or None when no activation fits."""
         torch.manual_seed(0)
         n = 4096
         probes = [torch.cat([torch.linspace(-8, 8, n // 2, dtype=torch.float64),
-                             torch.randn(n // 2, dtype=torch.float64) * 3]) for _ in leaf_items]
+                             torch.randn(n // 2, dtype=torch.float64) * 3]) for _ in leaf_nodes]
         probes[-1] = probes[-1][torch.randperm(n)]
-        try:
-            value = _probe(region, {node: p for (node, _), p in zip(leaf_items, probes)})
-        except Exception as exc:  # an op the probe cannot run: not understood, so dense
-            return ctx.fallback(down.call, where, f"cannot evaluate the activation region ({exc})")
-        gate = None
-        activation = None
-        if len(leaf_items) == 1:
+        value = _probe(region, dict(zip(leaf_nodes, probes)))
+        if len(leaf_nodes) == 1:
             for name, act in self.activations.items():
                 if _close(value, act(probes[0])):
-                    activation = name
-                    break
-            up_node = leaf_items[0][0]
-        else:
-            for name, act in self.activations.items():
-                for g, u in ((0, 1), (1, 0)):
-                    if _close(value, act(probes[g]) * probes[u]):
-                        activation, gate, up_node = name, leaf_items[g][0], leaf_items[u][0]
-                        break
-                if activation:
-                    break
-        if activation is None:
-            form = "act(up)" if len(leaf_items) == 1 else "act(gate) * up"
-            return ctx.fallback(down.call, where, f"element-wise region is not {form} for any known "
-                                f"activation ({', '.join(self.activations)})")
+                    return name, None, leaf_nodes[0]
+            return None
+        for name, act in self.activations.items():
+            for g, u in ((0, 1), (1, 0)):
+                if _close(value, act(probes[g]) * probes[u]):
+                    return name, leaf_nodes[g], leaf_nodes[u]
+        return None
+
+    def _block(self, ctx, down: LinearCall, leaves, activation: str, gate, up_node) -> MLPBlock:
         up_lin, up_rows = leaves[up_node]
-        gate_ref = None
-        if gate is not None:
-            gate_lin, gate_rows = leaves[gate]
-            gate_ref = ctx.weight_ref(gate_lin, gate_rows)
-        up_ref = ctx.weight_ref(up_lin, up_rows)
+        gate_ref = ctx.weight_ref(*leaves[gate]) if gate is not None else None
         intermediate = (up_rows[1] - up_rows[0]) if up_rows else up_lin.out_features
         x = ctx.see_through(up_lin.x)
         x_shape = shape_of(x)
@@ -215,7 +207,7 @@ class MLPRule:
             rule=self.name,
             gated=gate is not None,
             activation=activation,
-            up=up_ref,
+            up=ctx.weight_ref(up_lin, up_rows),
             down=ctx.weight_ref(down, None),
             gate=gate_ref,
             hidden_size=down.out_features,
@@ -227,3 +219,18 @@ class MLPRule:
             nodes={"input": x, "hidden": down.x, "output": down.out, "down": down.call,
                    "up": up_lin.call, "gate": leaves[gate][0].call if gate else None},
         )
+
+
+def _structure_reason(ctx, down: LinearCall, region, leaves) -> str | None:
+    """Why the region feeding ``down`` is not one MLP's: too many projections, projections of
+    different inputs, or an intermediate value used outside the block."""
+    if len(leaves) > 2:
+        return f"{len(leaves)} projections feed the down projection"
+    if len({ctx.see_through(lin.x) for lin, _ in leaves.values()}) != 1:
+        return "gate and up projections read different inputs"
+    inside = set(region) | {down.call, *leaves} | _flatten_chain(down)
+    for node in [*region, *leaves]:
+        outside = [u for u in node.users if u not in inside]
+        if outside:
+            return f"intermediate {node.name} is also used by {outside[0].name} outside the block"
+    return None

@@ -18,22 +18,20 @@ def check_plan_against_blocks(plan, blocks) -> None:
         block = by_key.get((layer, kind))
         if block is None:
             continue  # the graph may hold only part of the model (graph breaks): checked per graph
-        total = block.intermediate_size if isinstance(block, MLPBlock) else block.num_heads
+        mlp = isinstance(block, MLPBlock)
+        total = block.intermediate_size if mlp else block.num_heads
         if entry.total != total:
             problems.append(f"layer {layer} {kind}: plan has {entry.total} {'neurons' if kind == 'mlp' else 'heads'},"
                             f" model has {total}")
-        if entry.A is not None:
-            width = block.hidden_size if isinstance(block, MLPBlock) else (shape_of(block.nodes.get("input")) or [None])[-1]
-            reads = {"glu_int8": entry.A.shape[1], "glu_int4": 2 * entry.A.shape[1]}.get(entry.nonlinearity,
-                                                                                          entry.A.shape[0])
-            if width is not None and reads != width:
-                problems.append(f"layer {layer} {kind}: predictor reads {reads} features, "
-                                f"the block input has {width}")
-        if entry.nonlinearity in ("glu_int8", "glu_int4") and isinstance(block, MLPBlock) and not block.gated:
-            problems.append(f"layer {layer} mlp: quantized gate/up predictor but the block has no gate")
-        if entry.values == "predictor" and not entry.dense and entry.nonlinearity != "glu_int8":
-            problems.append(f"layer {layer} {kind}: values 'predictor' needs the int8 gate/up predictor, "
-                            f"the entry has {entry.nonlinearity!r}")
+        predictor = entry.predictor_kind
+        if predictor is not None:
+            width = block.hidden_size if mlp else (shape_of(block.nodes.get("input")) or [None])[-1]
+            reason = predictor.fits_block(entry.tensors, block.gated if mlp else None, width)
+            if reason is not None:
+                problems.append(f"layer {layer} {kind}: {reason}")
+            if entry.values == "predictor" and not entry.dense and not predictor.gives_values:
+                problems.append(f"layer {layer} {kind}: values 'predictor' needs the int8 gate/up predictor (a kind "
+                                f"that gives the neurons' values), the entry has {entry.predictor!r}")
     layers = {b.layer for b in blocks if b.layer >= 0}  # -1: a graph of one layer's frame (graph break)
     plan_layers = {layer for layer, _ in plan.entries}
     if layers and max(layers) >= plan.num_layers:
@@ -42,4 +40,3 @@ def check_plan_against_blocks(plan, blocks) -> None:
         problems.append("no layer of the model has a plan entry")
     if problems:
         raise PlanMismatchError("sparsity plan does not fit this model: " + "; ".join(problems[:6]))
-

@@ -7,12 +7,11 @@ import operator
 import torch
 import torch.fx as fx
 
-from dejavu_compile import activations
 from dejavu_compile.compiler.blocks import MLPBlock
 from dejavu_compile.compiler.passes.graph_build import value_device
 from dejavu_compile.compiler.passes.graph_utils import shape_of
-from dejavu_compile.compiler.passes.lowering import cpu_lowering
-from dejavu_compile.compiler.passes.predictor_graph import emit_scores, int8_constants
+from dejavu_compile.compiler.passes.lowering import choose_lowering
+from dejavu_compile.compiler.passes.predictor_graph import emit_scores
 
 log = logging.getLogger("dejavu_compile")
 
@@ -42,7 +41,8 @@ def previous_input(block: MLPBlock, ordered_blocks) -> fx.Node:
 
 def insert_selection(gm, graph, block, entry, ordered, values, opts=None):
     """Predictor and top-k, right after the input they read (as early as their inputs allow).
-    The int8 predictor on CPU fp32 is one C++ op that scores and selects (``cpu_glu_int8_topk``).
+    The int8 predictor is one op that scores and selects where the kernel lowering has one
+    (``emit_int8_topk``: the C++ op ``cpu_glu_int8_topk`` on CPU fp32).
 
     Returns (flat (tokens, k) neuron or head ids, the node the predictor reads)."""
     x = block.nodes["input"]
@@ -52,13 +52,12 @@ def insert_selection(gm, graph, block, entry, ordered, values, opts=None):
     device = value_device(values, weight_node)
     source = previous_input(block, ordered) if entry.lookahead else x
     prefix = f"dejavu_L{block.layer}_{block.kind}"
-    fused = entry.nonlinearity == "glu_int8" and opts is not None and cpu_lowering(opts, weight_value) == "native"
+    lowering = choose_lowering(opts, weight_value) if opts is not None else None
+    fused = entry.predictor_kind.int8_rows and lowering is not None and lowering.emit_int8_topk is not None
     with graph.inserting_before(source.next):
         flat_source = graph.call_method("reshape", (source, -1, shape_of(source)[-1]))
         if fused:
-            q, scale = int8_constants(gm, graph, entry, prefix, device)
-            scores = idx = graph.call_function(torch.ops.dejavu.cpu_glu_int8_topk.default,
-                                               (flat_source, q, scale, entry.k, activations.canonical(entry.activation)))
+            scores = idx = lowering.emit_int8_topk(gm, graph, entry, flat_source, prefix, device)
         else:
             scores = emit_scores(gm, graph, entry, flat_source, prefix, dtype, device)
             top = graph.call_function(torch.topk, (scores, entry.k), {"dim": -1, "sorted": False})

@@ -80,3 +80,15 @@ def simulate_attention(gm, graph, block: AttentionBlock, entry, ordered, values,
     core.replace_all_uses_with(masked, delete_user_cb=lambda user: user in users)
     report.rewritten.append(f"layer {block.layer} attention: masked simulation, {entry.k}/{entry.total} heads")
 
+
+
+class SimulationPass:
+    """The plan as masks on dense blocks (option ``simulate``), in place of the sparse lowerings."""
+
+    name = "simulate"
+
+    def __call__(self, gm, ctx):
+        before = len(ctx.report.rewritten)
+        gm = simulate_plan(gm, ctx.match, ctx.plan, ctx.report, ctx.example_inputs, ctx.opts)
+        ctx.count(self.name, len(ctx.report.rewritten) - before)
+        return gm

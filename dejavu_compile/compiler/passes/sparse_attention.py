@@ -1,4 +1,4 @@
-"""Head-sparse attention on decode-shaped graphs, and its masked simulation.
+"""Head-sparse attention on decode-shaped graphs (the ``sparse_attention`` pass).
 
 For each attention block with a sparse plan entry (k of H query heads):
 1. the predictor (on the previous block's input, with lookahead) and top-k pick the query heads;
@@ -110,27 +110,35 @@ def _rewrite_query(gm, graph, block: AttentionBlock, idx, k, values) -> None:
     erase_unused(graph, [q_out, q_call])
 
 
-def rewrite_attention(gm, graph, block: AttentionBlock, entry, ordered, values, report, fallbacks) -> None:
+def rewrite_attention(gm, graph, block: AttentionBlock, entry, ordered, values, report, fallbacks) -> bool:
+    """Lower one attention block to its k selected heads; False (reason on ``fallbacks``) when it stays dense."""
     reason = dense_reason(block)
     if reason is not None:
         fallbacks.append((block.module, reason))
-        return
-    core = block.nodes["core"]
+        return False
     where = f"layer {block.layer} attention"
-    args = _core_args(core)
-    key_heads = shape_of(args["key"])[1]
-    mask = args.get("attn_mask")
-    H, D, k = block.num_heads, block.head_dim, entry.k
     idx, source = insert_selection(gm, graph, block, entry, ordered, values)
-
-    # 1. Queries of the selected heads only, where the projection belongs to the query alone.
     query_reason = dense_query_reason(block)
-    if query_reason is None:
-        _rewrite_query(gm, graph, block, idx, k, values)
+    if query_reason is None:  # queries of the selected heads only
+        _rewrite_query(gm, graph, block, idx, entry.k, values)
     else:
         report.rewritten.append(f"{where}: query projection kept dense ({query_reason})")
+    heads, attn = _attend_selected_heads(graph, block, idx, entry.k)
+    _project_selected_heads(gm, graph, block, heads, attn, entry.k, values, report)
+    _erase_dense_attention(graph, block, where)
+    report.rewritten.append(f"{where}: {entry.k}/{block.num_heads} heads"
+                            f"{' (lookahead)' if source is not block.nodes['input'] else ''}")
+    return True
 
-    # 2. Attention over the selected heads and the KV heads they read.
+
+def _attend_selected_heads(graph, block: AttentionBlock, idx, k) -> tuple[fx.Node, fx.Node]:
+    """SDPA over the selected query heads and the KV heads they read (MHA, GQA, MQA).
+    Returns (head ids (B, k, 1, 1), attention output (B, k, 1, D))."""
+    core = block.nodes["core"]
+    args = _core_args(core)
+    H = block.num_heads
+    key_heads = shape_of(args["key"])[1]
+    mask = args.get("attn_mask")
     with graph.inserting_before(core):
         heads = graph.call_method("reshape", (idx, -1, k, 1, 1))  # (B, k, 1, 1)
         kv_heads = heads if key_heads == H else graph.call_function(
@@ -144,13 +152,19 @@ def rewrite_attention(gm, graph, block: AttentionBlock, entry, ordered, values, 
         if "enable_gqa" in new:
             new["enable_gqa"] = False  # each selected query head now has its own key/value head
         positional = ("query", "key", "value")
-        attn = graph.call_function(core.target, tuple(new.pop(name) for name in positional), new)  # (B, k, 1, D)
+        attn = graph.call_function(core.target, tuple(new.pop(name) for name in positional), new)
+    return heads, attn
 
-    # 3. Output projection over the selected heads' rows of its transposed weight.
-    o_call, o_out, o_input = block.nodes["o"], block.nodes["output"], block.nodes["o_input"]
+
+def _project_selected_heads(gm, graph, block: AttentionBlock, heads, attn, k, values, report) -> fx.Node:
+    """The output projection over the selected heads' rows of its transposed weight, in place of the
+    block's output (reshaped to the block input's leading dims)."""
+    D = block.head_dim
+    o_call, o_out = block.nodes["o"], block.nodes["output"]
     with graph.inserting_before(o_call):
         w_o_t = transposed_weight(gm, graph, block.o, values.get(block.o.node),
-                                   f"dejavu_L{block.layer}_attention_w_o_t", report, f"{where}: output")
+                                   f"dejavu_L{block.layer}_attention_w_o_t", report,
+                                   f"layer {block.layer} attention: output")
         offsets = graph.call_function(torch.arange, (D,), {"device": value_device(values, block.o.node)})
         rows = graph.call_function(operator.add, (graph.call_function(operator.mul, (heads, D)), offsets))
         rows = graph.call_method("reshape", (rows, -1, k * D))  # head h owns rows h*D:(h+1)*D (matcher-checked)
@@ -161,12 +175,35 @@ def rewrite_attention(gm, graph, block: AttentionBlock, entry, ordered, values, 
         shaped = graph.call_method("reshape", (out, graph.call_function(operator.add, (lead, (emit_size(graph, w_o_t, 1),)))))
     out.meta["dejavu"] = {"role": "sparse_attention", "layer": block.layer, "k": k}
     o_out.replace_all_uses_with(shaped)
+    return out
+
+
+def _erase_dense_attention(graph, block: AttentionBlock, where: str) -> None:
+    """The dense SDPA, output projection and the reshapes between them go; the dense attention must
+    not survive (it would run beside the sparse one)."""
+    core, o_call, o_out = block.nodes["core"], block.nodes["o"], block.nodes["output"]
     region = [o_out, o_call] + [n for n in o_call.all_input_nodes if n.op != "placeholder"]  # addmm's flattening view
-    node = o_input
+    node = block.nodes["o_input"]
     while node is not core:  # the reshapes between attention output and output projection
         region.append(node)
         node = node.args[0]
     erase_unused(graph, region + [core])
-    if not getattr(core, "_erased", False):  # still used: the dense attention would run beside the sparse one
+    if not getattr(core, "_erased", False):
         raise RuntimeError(f"{where}: the dense attention output has users outside its output projection")
-    report.rewritten.append(f"{where}: {k}/{H} heads{' (lookahead)' if source is not block.nodes['input'] else ''}")
+
+
+class SparseAttentionPass:
+    """Every matched attention block with a sparse plan entry attends over its selected heads only."""
+
+    name = "sparse_attention"
+
+    def __call__(self, gm, ctx):
+        values, ordered = ctx.values(gm), ctx.ordered_blocks(gm)
+        rewritten = 0
+        for block in ctx.match.attention:
+            entry = ctx.plan.entries.get((block.layer, "attention"))
+            if entry is not None and not entry.dense:
+                rewritten += rewrite_attention(gm, gm.graph, block, entry, ordered, values, ctx.report,
+                                               ctx.match.fallbacks)
+        ctx.count(self.name, rewritten)
+        return gm

@@ -1,15 +1,15 @@
-"""Sparse lowering of matched MLP blocks on decode-shaped graphs (attention heads:
-``sparsify_attention.py``, called from :func:`sparsify`).
+"""Sparse lowering of matched MLP blocks on decode-shaped graphs (the ``sparse_mlp`` pass; attention
+heads: ``sparse_attention.py``).
 
 For each MLP block with a sparse plan entry:
 1. the predictor is inserted right after the input it reads, which is the previous block's input
    when the entry uses lookahead, so it can run beside that block ("as early as its inputs allow");
 2. top-k turns its scores into the neuron ids to keep;
-3. the block (gate/up projections, activation, down projection) is replaced by
-   ``dejavu::sparse_gated_mlp`` / ``dejavu::sparse_mlp``, which read only the selected weight rows.
+3. the block (gate/up projections, activation, down projection) is replaced by the nodes of the
+   kernel lowering ``lowering.choose_lowering`` picks, which read only the selected weight rows.
 
-Only graphs with one token per sequence and at most ``max_batch`` sequences are rewritten; prefill
-stays dense. Weights are used in place: gate/up rows straight from the parameters, the down
+The ``decode_shape`` pass before it lets only graphs with one token per sequence and at most
+``max_batch`` sequences through; prefill stays dense. Weights are used in place: gate/up rows straight from the parameters, the down
 projection from its transpose, which is a free view when the parameter is stored transposed
 (``prepare_model``) and otherwise a one-time copy held by the compiled graph."""
 from __future__ import annotations
@@ -20,7 +20,6 @@ import operator
 import torch
 import torch.fx as fx
 
-from dejavu_compile import activations
 from dejavu_compile.compiler.blocks import MLPBlock
 from dejavu_compile.compiler.passes.graph_build import (
     bias_view,
@@ -31,9 +30,10 @@ from dejavu_compile.compiler.passes.graph_build import (
     value_device,
 )
 from dejavu_compile.compiler.passes.graph_utils import shape_of
-from dejavu_compile.compiler.passes.lowering import cpu_lowering, emit_decomposed, unit_stride_rows
-from dejavu_compile.compiler.passes.predictor_graph import emit_int8_selection, int8_constants
-from dejavu_compile.compiler.passes.selection import insert_selection
+from dejavu_compile.compiler.passes.lowering import SparseMLPNodes, choose_lowering, unit_stride_rows
+from dejavu_compile.compiler.passes.predictor_graph import emit_int8_selection
+from dejavu_compile.compiler.passes.selection import insert_selection, takes_predictor_values
+from dejavu_compile.kernels import ACTIVATIONS as KERNEL_ACTIVATIONS
 
 log = logging.getLogger("dejavu_compile")
 
@@ -74,20 +74,10 @@ def rewrite_mlp(gm, graph, block: MLPBlock, entry, ordered, values, report, opts
         w_gate = rows_view(graph, block.gate, values.get(block.gate.node)) if block.gated else None
         b_gate = bias_view(graph, block.gate) if block.gated else None
         refs = (block.gate, block.up) if block.gated else (block.up,)
-        lowering = cpu_lowering(opts, values.get(block.up.node),
-                                 all(unit_stride_rows(ref, values.get(ref.node)) for ref in refs))
-        if lowering == "native":  # the C kernel's (w_a, w_b): (gate, up), or (up, None) for a plain MLP
-            w_a, b_a, w_b, b_b = (w_gate, b_gate, w_up, b_up) if block.gated else (w_up, b_up, None, None)
-            out = graph.call_function(torch.ops.dejavu.cpu_sparse_mlp.default,
-                                      (x2d, w_a, w_b, w_down_t, idx, block.activation, b_a, b_b, b_down))
-        elif lowering == "decomposed":
-            out = emit_decomposed(graph, block, x2d, idx, entry.k, w_gate, b_gate, w_up, b_up, w_down_t, b_down)
-        elif block.gated:
-            out = graph.call_function(torch.ops.dejavu.sparse_gated_mlp.default,
-                                      (x2d, w_gate, w_up, w_down_t, idx, block.activation, b_gate, b_up, b_down, False))
-        else:
-            out = graph.call_function(torch.ops.dejavu.sparse_mlp.default,
-                                      (x2d, w_up, b_up, w_down_t, b_down, idx, block.activation, False))
+        lowering = choose_lowering(opts, values.get(block.up.node),
+                                   all(unit_stride_rows(ref, values.get(ref.node)) for ref in refs))
+        out = lowering.emit_mlp(graph, SparseMLPNodes(block, x2d, idx, entry.k, w_gate, b_gate, w_up, b_up, w_down_t,
+                                                      b_down, value_device(values, block.up.node)))
         out.meta["dejavu"] = {"role": "sparse_mlp", "layer": block.layer, "k": entry.k}
     _replace_block(graph, block, out)
     report.rewritten.append(f"layer {block.layer} mlp: {entry.k}/{entry.total} neurons"
@@ -110,8 +100,8 @@ def _replace_block(graph, block: MLPBlock, out: fx.Node) -> None:
 def rewrite_mlp_from_predictor(gm, graph, block: MLPBlock, entry, values, report, opts) -> None:
     """The block from its int8 predictor's values (entry.values == "predictor"): act(g~) * u~ for
     every neuron, the top k by magnitude, and those k values times their rows of the transposed
-    down weight. The fp32 gate and up weights are not read. On CPU fp32 with the C++ ops all of it
-    is one call (``dejavu::cpu_glu_int8_mlp``); elsewhere aten ops (int8_linear, topk, gather,
+    down weight. The fp32 gate and up weights are not read. Where the kernel lowering has one op for
+    it (``dejavu::cpu_glu_int8_mlp`` on CPU fp32) all of it is one call; elsewhere aten ops (int8_linear, topk, gather,
     embedding_bag)."""
     x = block.nodes["input"]
     prefix = f"dejavu_L{block.layer}_mlp"
@@ -122,13 +112,11 @@ def rewrite_mlp_from_predictor(gm, graph, block: MLPBlock, entry, values, report
         w_down_t = transposed_weight(gm, graph, block.down, down_value, f"{prefix}_w_down_t", report,
                                       f"layer {block.layer} mlp: down")
         b_down = block.down.bias_node
-        if cpu_lowering(opts, down_value) == "native":  # fp32 on CPU with the C++ ops
-            q, scale = int8_constants(gm, graph, entry, prefix, device)
-            both = graph.call_function(torch.ops.dejavu.cpu_glu_int8_mlp.default,
-                                       (x2d, q, scale, w_down_t, entry.k, activations.canonical(entry.activation), b_down))
+        lowering = choose_lowering(opts, down_value)
+        if lowering.emit_int8_values_mlp is not None:  # one op: the C++ op on CPU fp32
+            out, both = lowering.emit_int8_values_mlp(gm, graph, block, entry, x2d, w_down_t, b_down, prefix, device)
             both.meta["dejavu"] = {"role": "predictor", "layer": block.layer, "kind": "mlp", "reads": x.name,
                                    "lookahead": False}
-            out = graph.call_function(operator.getitem, (both, 0))
         else:
             estimate, idx = emit_int8_selection(gm, graph, block, entry, x2d, prefix, device)
             kept = graph.call_function(torch.gather, (estimate, -1, idx))
@@ -138,3 +126,29 @@ def rewrite_mlp_from_predictor(gm, graph, block: MLPBlock, entry, values, report
     report.rewritten.append(f"layer {block.layer} mlp: {entry.k}/{entry.total} neurons, values from the int8 "
                             "predictor (down rows only)")
 
+
+
+class SparseMLPPass:
+    """Every matched MLP with a sparse plan entry and a kernel for its activation becomes a
+    predictor, top-k and a sparse MLP kernel (see :mod:`.lowering` for which)."""
+
+    name = "sparse_mlp"
+
+    def __call__(self, gm, ctx):
+        plan, match, graph = ctx.plan, ctx.match, gm.graph
+        values, ordered = ctx.values(gm), ctx.ordered_blocks(gm)
+        rewritten = 0
+        for block in match.mlp:
+            entry = plan.entries.get((block.layer, "mlp"))
+            if entry is None or entry.dense:
+                continue
+            if block.activation not in KERNEL_ACTIVATIONS:
+                match.fallbacks.append((block.module, f"activation {block.activation!r} has no sparse kernel"))
+                continue
+            if takes_predictor_values(block, entry, match.fallbacks):
+                rewrite_mlp_from_predictor(gm, graph, block, entry, values, ctx.report, ctx.opts)
+            else:
+                rewrite_mlp(gm, graph, block, entry, ordered, values, ctx.report, ctx.opts)
+            rewritten += 1
+        ctx.count(self.name, rewritten)
+        return gm

@@ -7,7 +7,8 @@
    touches the start of the rows a few neurons ahead (the hardware prefetcher takes over inside a
    row). Threads split the neurons; their accumulators are summed at the end.
 
-   Built once per machine by native.py (cc -O3 -march=native -fopenmp) and called through ctypes.
+   Built once per machine by native.py (cc -O3 -march=native -fopenmp, plus the activation table's
+   defines) and called through ctypes; cpu_ops.cpp includes this file for the C++ ops.
    It links against the OpenMP runtime torch has already loaded, so both share one thread pool. */
 #include <immintrin.h>
 #include <math.h>
@@ -15,19 +16,36 @@
 #include <string.h>
 #include <omp.h>
 
-enum { ACT_SILU = 0, ACT_GELU = 1, ACT_GELU_TANH = 2, ACT_RELU = 3 };
+/* The activation table (dejavu_compile/activations.py) arrives as defines from native.py: a code
+   DEJAVU_ACT_<NAME> per activation and the X-macro DEJAVU_ACTIVATIONS(X) listing them all. The enum
+   collects every table entry, so a table entry without a case below fails the build (-Wswitch as an
+   error), and a case naming an activation the table lacks is an undefined identifier. */
+#ifndef DEJAVU_ACTIVATIONS
+#error "build with the defines of dejavu_compile.activations.c_defines() (kernels/cpu/native.py does)"
+#endif
+#define DEJAVU_ACT_ENUM(name, NAME) DEJAVU_ACT_ENUM_##NAME = DEJAVU_ACT_##NAME,
+enum dejavu_activation { DEJAVU_ACTIVATIONS(DEJAVU_ACT_ENUM) };
+#undef DEJAVU_ACT_ENUM
 
-static inline float activate(float v, int kind) {
-    switch (kind) {
-    case ACT_SILU: return v / (1.0f + expf(-v));
-    case ACT_GELU: return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
-    case ACT_GELU_TANH: {
+#pragma GCC diagnostic push
+#pragma GCC diagnostic error "-Wswitch"
+static inline float activate(float v, int code) {
+    switch ((enum dejavu_activation)code) {
+    case DEJAVU_ACT_SILU: return v / (1.0f + expf(-v));
+    case DEJAVU_ACT_GELU: return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    case DEJAVU_ACT_GELU_TANH: {
         float inner = 0.79788456080286536f * (v + 0.044715f * v * v * v);
         return 0.5f * v * (1.0f + tanhf(inner));
     }
-    default: return v > 0.0f ? v : 0.0f;
+    case DEJAVU_ACT_RELU: return v > 0.0f ? v : 0.0f;
+    case DEJAVU_ACT_RELU2: {
+        float r = v > 0.0f ? v : 0.0f;
+        return r * r;
     }
+    }
+    return NAN; /* not a table code: the callers map names through the table, so never reached */
 }
+#pragma GCC diagnostic pop
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
     float s = 0.0f;
@@ -54,10 +72,10 @@ static inline void sum_partials(const float *scratch, int64_t width, const float
     }
 }
 
-/* The default prefetch: the first 256 B of each row, 4 neurons ahead (benchmarks/kernels.py
-   --prefetch-sweep, LLaMA-7B rows at 25% density: efficiency 0.74 without, 0.77-0.81 with 64-1024 B
-   2-8 neurons ahead, 0.71 prefetching whole rows; at 50% and on SmolLM2 within the noise, +-0.04).
-   Both callers (native.py, cpu_ops.cpp) pass -1 to use it; the sweep passes other settings. */
+/* The default prefetch: the first 256 B of each row, 4 neurons ahead. The start of a row is what
+   the hardware prefetcher cannot guess; prefetching whole rows competes with the demand reads.
+   benchmarks/kernels.py --prefetch-sweep compares settings. Both callers (native.py, cpu_ops.cpp)
+   pass -1 to use it; the sweep passes other settings. */
 const int64_t dejavu_prefetch_default[2] = {4, 256};
 
 /* out[b] = sum_j act(w_a[r].x_b + b_a[r]) * (w_b[r].x_b + b_b[r]) * w_down_t[r] + b_down,
@@ -115,8 +133,8 @@ void dejavu_sparse_mlp_f32(const float *x, int64_t nb, int64_t d, int64_t d_out,
 
 /* Four int8 rows dotted with x quantized to int16, products summed in int32; the four accumulators
    share each load of x. With AVX-512 (AVX2) one multiply-add instruction takes 32 (16) int16 pairs
-   (VNNI fuses the add). Converting each int8 to fp32 instead was compute bound: SmolLM2's predictor
-   took 2x FBGEMM's int8 GEMV; this takes 0.9x (37 us warm, 2 threads). */
+   (VNNI fuses the add). Integer multiply-adds keep the GEMV memory bound; converting each int8 to
+   fp32 instead makes it compute bound. */
 static inline void dot4_i8(const int8_t *restrict w0, const int8_t *restrict w1, const int8_t *restrict w2,
                            const int8_t *restrict w3, const int16_t *restrict x, int64_t n, int32_t *out) {
     int64_t i = 0;
@@ -224,7 +242,7 @@ void dejavu_glu_int8_scores_f32(const float *x, int64_t nb, int64_t d, const int
 #pragma omp parallel for num_threads(n_threads) schedule(static)
     for (int64_t p = 0; p < pairs; p++) {
         const int64_t j0 = 2 * p, j1 = j0 + 1 < F ? j0 + 1 : j0;  /* odd F: the last pair repeats */
-        if (j0 + 9 < F) {  /* the gate and up rows 4 pairs ahead: ~10% off the cold-weight time, by hand */
+        if (j0 + 9 < F) {  /* the gate and up rows 4 pairs ahead: the weights are cold on each call */
             const char *g = (const char *)(w + (j0 + 8) * d), *u = (const char *)(w + (F + j0 + 8) * d);
             for (int64_t o = 0; o < 2 * d; o += 64) __builtin_prefetch(g + o, 0, 3), __builtin_prefetch(u + o, 0, 3);
         }

@@ -10,11 +10,10 @@
 //       the selected rows of w_down_t are read; the fp32 gate and up weights not at all).
 //
 // Why C++: inside a compiled decode step each op call is made from Inductor's Python wrapper, and
-// what it costs there is Python, not arithmetic. With the caches as a decode step leaves them (a
-// layer's weights streamed through L2 since the last call), a torch.library.custom_op call with a
-// Python kernel costs ~140 us before its kernel starts, torch.topk ~55 us, a plain aten op ~15 us;
-// SmolLM2's dense MLP takes ~550 us a layer, so per-layer overheads ate the savings. These ops go
-// from the wrapper straight to C++ (no autograd kernel: inference only). Built by native.py.
+// what it costs there is Python, not arithmetic: with the caches as a decode step leaves them, a
+// torch.library.custom_op call with a Python kernel costs as much as a small model's MLP kernel
+// (benchmarks/op_overhead.py measures it). These ops go from the wrapper straight to C++ (no
+// autograd kernel: inference only). Built by native.py with the activation table's defines.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -35,12 +34,15 @@ extern "C" {
 
 namespace {
 
+// The table's code for an activation name; both come from the DEJAVU_ACTIVATIONS X-macro.
 int activation_code(c10::string_view name) {
-  if (name == "silu") return ACT_SILU;
-  if (name == "gelu") return ACT_GELU;
-  if (name == "gelu_tanh") return ACT_GELU_TANH;
-  if (name == "relu") return ACT_RELU;
-  TORCH_CHECK(false, "activation must be one of silu, gelu, gelu_tanh, relu, got ", std::string(name));
+#define DEJAVU_NAME_TO_CODE(lower, UPPER) \
+  if (name == #lower) return DEJAVU_ACT_##UPPER;
+  DEJAVU_ACTIVATIONS(DEJAVU_NAME_TO_CODE)
+#undef DEJAVU_NAME_TO_CODE
+#define DEJAVU_NAME(lower, UPPER) " " #lower
+  TORCH_CHECK(false, "activation must be one of" DEJAVU_ACTIVATIONS(DEJAVU_NAME) ", got ", std::string(name));
+#undef DEJAVU_NAME
 }
 
 void check_f32_cpu(const at::Tensor& t, const char* name) {

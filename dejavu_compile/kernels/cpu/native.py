@@ -1,25 +1,20 @@
-"""The CPU sparse MLP kernel in C (``cpu_sparse_mlp.c``), built on first use, called via ctypes by
-the public ops and via the C++ ops of ``cpu_ops.cpp`` by the backend's decode graphs.
+"""The CPU backend in C and C++, built on first use with the compilers Inductor uses on CPU anyway.
 
-Why C: the op's torch path is an Inductor-generated gather-GEMV loop over the gate and up rows, a
-second op (embedding_bag) over the down rows, and a nested compiled call; on short rows (SmolLM2:
-2.3 KB) every row start waits on DRAM. One C loop that reads a neuron's three rows back to back,
-with a short software prefetch, reads LLaMA-7B's selected rows at 0.85-0.91 of the dense GEMV's
-bandwidth at 25-50% density (the torch path: 0.71-0.76), SmolLM2's at 0.73-0.91 through the C++ op
-(``python benchmarks/kernels.py --threads 2``). Torch offers no op that does this, so we compile
-our own. The same file holds the int8 predictor's GEMV (``int8.py``) and its fused scoring.
+- ``cpu_sparse_mlp.c``: the sparse MLP kernel (one loop that reads each selected neuron's gate, up
+  and down rows back to back, with a short software prefetch), the int8 predictor's GEMV
+  (``int8.py``) and its fused scoring. Called through ctypes by the public ops. Torch has no op that
+  reads rows this way: its own path is a gather-GEMV plus a second op over the down rows.
+- ``cpu_ops.cpp``: the backend's CPU decode ops, registered with the dispatcher from C++
+  (``load_ops``). Inductor's wrapper calls them without Python in between, which matters inside a
+  compiled decode step, where a Python custom op's call overhead is comparable to the kernel.
 
-Why also C++ (``load_ops``): inside a compiled decode step, a ``torch.library.custom_op`` with a
-Python kernel costs ~140 us per call before the kernel starts (the caches a step leaves behind make
-Python slow), as much as the kernel itself on SmolLM2. Ops registered from C++ are called by
-Inductor's wrapper without Python; the backend lowers CPU fp32 sparse MLPs to them.
-
-Build: the C and C++ compilers Inductor uses on CPU anyway (``$CC``/``$CXX``, else ``cc``/``c++``,
-``gcc``/``g++``), ``-O3 -march=native -fopenmp`` (and torch's headers for the C++ ops); libraries are
-cached under ``$DEJAVU_CACHE/kernels`` keyed by the source, flags, compiler and CPU (and torch's
-version for the C++ ops), so a home directory shared between machines is safe. When a build fails
-(or ``DEJAVU_CPU_NATIVE=0``), a warning says why once and the callers keep their torch/Inductor
-path. fp32 only: other dtypes take the torch path.
+Build: ``$CC``/``$CXX`` (else ``cc``/``c++``, ``gcc``/``g++``), ``-O3 -march=native -fopenmp``, the
+activation table's names and codes as defines (``activations.c_defines()``), and torch's headers
+for the C++ ops. Libraries are cached under ``$DEJAVU_CACHE/kernels`` keyed by the sources, flags
+(defines included), compiler and CPU (and torch's version for the C++ ops), so a changed source or
+table rebuilds and a home directory shared between machines is safe. When a build fails (or
+``DEJAVU_CPU_NATIVE=0``), a warning says why once and the callers keep their torch/Inductor path.
+fp32 only: other dtypes take the torch path.
 """
 from __future__ import annotations
 
@@ -38,16 +33,17 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _common as C
+from dejavu_compile import activations
+
+from .. import _common as C
 
 SOURCE = Path(__file__).with_name("cpu_sparse_mlp.c")
 OPS_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
-# -ffp-contract=fast: fused multiply-adds in the dot products and row sums. ISO C mode (-std=c11)
-# turns contraction off, which left the ctypes build 7% slower than the same code built as C++
-# (LLaMA-7B rows at 25-50% density: efficiency 0.81-0.82 against 0.86-0.88).
-_COMMON_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fPIC", "-shared")
+# -ffp-contract=fast: fused multiply-adds in the dot products and row sums (ISO C mode, -std=c11,
+# turns contraction off otherwise, and the C build would be slower than the same code as C++).
+_COMMON_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fPIC", "-shared",
+                 *activations.c_defines())
 FLAGS = (*_COMMON_FLAGS, "-std=c11")
-ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 # None: the kernel's own default prefetch (dejavu_prefetch_default in cpu_sparse_mlp.c, which the
 # C++ op uses too); benchmarks/kernels.py --prefetch-sweep sets other (rows ahead, bytes per row).
 PREFETCH_ROWS = None
@@ -149,6 +145,7 @@ def sparse_mlp_f32(x: Tensor, w_a: Tensor, w_b: Optional[Tensor], w_down_t: Tens
                    out: Optional[Tensor] = None) -> Tensor:
     """The C kernel (caller checked arguments and :func:`applies`); writes every element of out."""
     fn = _load().dejavu_sparse_mlp_f32
+    code = activations.ACTIVATIONS[activation].code
     x = x.contiguous()
     nb, d = x.shape
     d_out = w_down_t.shape[1]
@@ -162,7 +159,7 @@ def sparse_mlp_f32(x: Tensor, w_a: Tensor, w_b: Optional[Tensor], w_down_t: Tens
 
     fn(x.data_ptr(), nb, d, d_out, w_a.data_ptr(), w_a.stride(0), ptr(w_b), 0 if w_b is None else w_b.stride(0),
        w_down_t.data_ptr(), w_down_t.stride(0), ptr(b_a), ptr(b_b), ptr(b_down),
-       idx.data_ptr(), idx.shape[-1], 0 if idx.dim() == 1 else idx.stride(0), ACTIVATION_CODES[activation],
+       idx.data_ptr(), idx.shape[-1], 0 if idx.dim() == 1 else idx.stride(0), code,
        out.data_ptr(), scratch.data_ptr(), threads, -1 if PREFETCH_ROWS is None else PREFETCH_ROWS,
        -1 if PREFETCH_BYTES is None else PREFETCH_BYTES)
     return out
@@ -224,11 +221,9 @@ def load_ops() -> bool:
 
 
 def _register_fakes() -> None:
-    from .mlp import _check
-
     @torch.library.register_fake("dejavu::cpu_sparse_mlp")
     def _(x, w_a, w_b, w_down_t, idx, activation, b_a=None, b_b=None, b_down=None):
-        _check(x, w_a, w_b, w_down_t, idx, activation, b_a, b_b, b_down, "w_a", "w_b")
+        C.check_mlp(x, w_a, w_b, w_down_t, idx, activation, b_a, b_b, b_down, "w_a", "w_b")
         return x.new_empty(x.shape[0], w_down_t.shape[1])
 
     def _check_int8_predictor(x, w_int8, scale, activation):

@@ -4,7 +4,8 @@ Two kernels serve the MLP ops and the head-sparse attention projections:
 
 - ``_gather_gemv``: program (b, block of k) loads the selected row ids, then loops over d reading
   those rows of one or two (F, d) weights in place and dotting them with x_b in fp32; adds biases,
-  applies the activation and the gate product, and stores h (B, k) in fp32.
+  applies the activation (``_act``: one branch per entry of the activation table, codes read from
+  it) and the gate product, and stores h (B, k) in fp32.
 - ``_gather_rows_sum``: the down projection as split-K: program (b, block of d_out, split s) sums
   h[b, i] * w_down_t[idx[b, i]] over its share of the k selected rows in fp32 and stores a partial
   (S, B, d_out); a torch sum reduces the S partials (deterministic, no atomics).
@@ -28,22 +29,35 @@ import triton.language as tl
 import triton.runtime.interpreter  # not imported by `import triton` in every version (3.6: no)
 from torch import Tensor
 
-from . import _common as C
+from dejavu_compile import activations
 
-_ACT_CODE = {"none": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
+from .. import _common as C
+
+# The activation codes, from the table (globals a jit function may read must be tl.constexpr).
+_SILU = tl.constexpr(activations.ACTIVATIONS["silu"].code)
+_GELU = tl.constexpr(activations.ACTIVATIONS["gelu"].code)
+_GELU_TANH = tl.constexpr(activations.ACTIVATIONS["gelu_tanh"].code)
+_RELU = tl.constexpr(activations.ACTIVATIONS["relu"].code)
+_RELU2 = tl.constexpr(activations.ACTIVATIONS["relu2"].code)
+_IDENTITY = tl.constexpr(-1)  # no activation: the attention q projection; not a table code
 
 
 @triton.jit
 def _act(a, ACT: tl.constexpr):
-    if ACT == 1:
+    if ACT == _SILU:
         a = a * tl.sigmoid(a)
-    elif ACT == 2:
+    elif ACT == _GELU:
         a = 0.5 * a * (1.0 + tl.math.erf(a * 0.7071067811865476))
-    elif ACT == 3:
+    elif ACT == _GELU_TANH:
         z = 0.7978845608028654 * (a + 0.044715 * a * a * a)
         a = 0.5 * a * (1.0 + (2.0 * tl.sigmoid(2.0 * z) - 1.0))  # tanh(z) via sigmoid
-    elif ACT == 4:
+    elif ACT == _RELU:
         a = tl.maximum(a, 0.0)
+    elif ACT == _RELU2:
+        r = tl.maximum(a, 0.0)
+        a = r * r
+    else:
+        tl.static_assert(ACT == _IDENTITY, "activation code without a case in _act")
     return a
 
 
@@ -143,7 +157,7 @@ def interpreted() -> bool:
 def _check_runnable(x: Tensor) -> None:
     if x.device.type != "cuda" and not interpreted():
         raise RuntimeError("triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set before "
-                           "dejavu_compile.kernels.triton_mlp is first imported "
+                           "dejavu_compile.kernels.triton.mlp is first imported "
                            f"(TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r})")
 
 
@@ -152,8 +166,10 @@ def _check_runnable(x: Tensor) -> None:
 
 
 def gather_gemv(x: Tensor, w_a: Tensor, w_b: Optional[Tensor], b_a: Optional[Tensor],
-                b_b: Optional[Tensor], rows: Tensor, activation: str, out: Optional[Tensor] = None) -> Tensor:
-    """h[b, i] = act(w_a[rows[b, i]].x_b + b_a) (* (w_b[rows[b, i]].x_b + b_b)), fp32 (B, k).
+                b_b: Optional[Tensor], rows: Tensor, activation: Optional[str],
+                out: Optional[Tensor] = None) -> Tensor:
+    """h[b, i] = act(w_a[rows[b, i]].x_b + b_a) (* (w_b[rows[b, i]].x_b + b_b)), fp32 (B, k);
+    activation None: no activation.
 
     rows: (B, k) int64 (an expanded (k,) is fine: stride 0 is honoured). Weights need unit stride
     along d; their row stride is free (stacked gate/up views work)."""
@@ -166,7 +182,8 @@ def gather_gemv(x: Tensor, w_a: Tensor, w_b: Optional[Tensor], b_a: Optional[Ten
     args = (x, w_a, w_b if gated else w_a, b_a if b_a is not None else w_a,
             b_b if b_b is not None else w_a, rows, out, k, d, x.stride(0), w_a.stride(0),
             (w_b if gated else w_a).stride(0), rows.stride(0), out.stride(0))
-    flags = dict(ACT=_ACT_CODE[activation], GATED=gated, HAS_BA=b_a is not None, HAS_BB=b_b is not None)
+    code = _IDENTITY if activation is None else activations.ACTIVATIONS[activation].code
+    flags = dict(ACT=code, GATED=gated, HAS_BA=b_a is not None, HAS_BB=b_b is not None)
     if _autotune_on(x):
         _autotuned("gemv")[lambda meta: (nb, triton.cdiv(k, meta["BLOCK_K"]))](*args, **flags)
     else:
@@ -206,9 +223,8 @@ def _check_unit_stride(name: str, w: Tensor) -> None:
 def sparse_gated_mlp_triton(x, w_gate, w_up, w_down_t, idx, activation, b_gate=None, b_up=None,
                             b_down=None, *, out: Optional[Tensor] = None, check: bool = True) -> Tensor:
     """Triton ``sparse_gated_mlp`` (same arguments as the op; ``out`` for tests)."""
-    from .mlp import _check
     if check:
-        _check(x, w_gate, w_up, w_down_t, idx, activation, b_gate, b_up, b_down, "w_gate", "w_up")
+        C.check_mlp(x, w_gate, w_up, w_down_t, idx, activation, b_gate, b_up, b_down, "w_gate", "w_up")
         C.check_idx_range("idx", idx, w_gate.shape[0])
     for name, w in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down_t", w_down_t)):
         _check_unit_stride(name, w)
@@ -220,9 +236,8 @@ def sparse_gated_mlp_triton(x, w_gate, w_up, w_down_t, idx, activation, b_gate=N
 def sparse_mlp_triton(x, w_up, b_up, w_down_t, b_down, idx, activation, *,
                       out: Optional[Tensor] = None, check: bool = True) -> Tensor:
     """Triton ``sparse_mlp`` (same arguments as the op; ``out`` for tests)."""
-    from .mlp import _check
     if check:
-        _check(x, w_up, None, w_down_t, idx, activation, b_up, None, b_down, "w_up", None)
+        C.check_mlp(x, w_up, None, w_down_t, idx, activation, b_up, None, b_down, "w_up", None)
         C.check_idx_range("idx", idx, w_up.shape[0])
     for name, w in (("x", x), ("w_up", w_up), ("w_down_t", w_down_t)):
         _check_unit_stride(name, w)

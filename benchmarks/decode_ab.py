@@ -1,0 +1,169 @@
+"""Decode speed of two source trees of this package, side by side in one run (A/B of a change).
+
+    git worktree add /tmp/base <commit>
+    python benchmarks/decode_ab.py /tmp/base . --rounds 3 --out benchmarks/results/decode-ab.json
+
+Each round starts one process per tree (alternating which goes first), each loading SmolLM2-135M,
+the same plan directory (calibrated once with the first tree's defaults, unless --plan names one),
+and measuring Inductor dense and dejavu decode interleaved (static cache, greedy, medians). Only
+the public API is used (``dejavu_compile.calibrate``, ``SparsityPlan``, ``prepare_model``), so any
+two versions compare. Reported: tokens/s per tree and the dejavu/dense ratio, which cancels most
+of the machine's drift between processes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+PROMPT = "The history of the city begins in the Roman period, when"
+
+
+def _use_tree(tree: str):
+    """Import dejavu_compile from ``tree`` (ahead of any installed copy)."""
+    sys.path.insert(0, str(pathlib.Path(tree).resolve()))
+    for name in [m for m in sys.modules if m == "dejavu_compile" or m.startswith("dejavu_compile.")]:
+        del sys.modules[name]
+    import dejavu_compile
+
+    return dejavu_compile
+
+
+def _load_smollm2():
+    try:
+        from dejavu_compile.assets.models import load_smollm2
+    except ImportError:  # trees laid out before the assets/ subpackage
+        from dejavu_compile.models import load_smollm2
+    return load_smollm2()
+
+
+def worker(args) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    dv = _use_tree(args.tree)
+    torch._dynamo.config.recompile_limit = 64
+    model, tok = _load_smollm2()
+    plan = dv.SparsityPlan.load(args.plan)
+    plan.check(model)
+    dv.prepare_model(model)
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    original = model.forward
+    forwards = {"dense": torch.compile(original, backend="inductor"),
+                "dejavu": torch.compile(original, backend="dejavu", options={"plan": plan})}
+
+    def generate(n):
+        with torch.no_grad():
+            return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                  cache_implementation="static", pad_token_id=model.config.eos_token_id)
+
+    times = {name: {1: [], args.new_tokens: []} for name in forwards}
+    outputs = {}
+    for rep in range(args.repeats + 1):  # rep 0 compiles
+        for name, forward in forwards.items():
+            model.forward = forward
+            for n in (1, args.new_tokens):
+                start = time.perf_counter()
+                out = generate(n)
+                if rep:
+                    times[name][n].append(time.perf_counter() - start)
+                elif n == args.new_tokens:
+                    outputs[name] = out[0, ids.shape[1]:].tolist()
+    model.forward = original
+    result = {}
+    for name, t in times.items():
+        rates = [(args.new_tokens - 1) / (tn - t1) for t1, tn in zip(t[1], t[args.new_tokens])]
+        result[name] = statistics.median(rates)
+    result["ratio"] = result["dejavu"] / result["dense"]
+    result["tokens"] = outputs["dejavu"]
+    print("RESULT " + json.dumps(result))
+
+
+def calibrate_worker(args) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    dv = _use_tree(args.tree)
+    model, tok = _load_smollm2()
+    dv.calibrate(model, tok).save(args.plan)
+
+
+def _git(tree: str, *cmd) -> str:
+    try:
+        return subprocess.run(["git", "-C", tree, *cmd], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trees", nargs="*", help="two source trees (A then B)")
+    ap.add_argument("--plan", default=None, help="plan directory (default: calibrate once with tree A)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="timed decodes per variant in each process")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(RESULTS / "decode-ab.json"))
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--calibrate-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tree", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.calibrate_worker:
+        return calibrate_worker(args)
+    if len(args.trees) != 2:
+        ap.error("give two source trees")
+    plan_dir = pathlib.Path(args.plan) if args.plan else RESULTS.parent.parent / ".cache" / "decode-ab-plan"
+    if not (plan_dir / "plan.json").exists():
+        print(f"calibrating the default plan with {args.trees[0]} into {plan_dir} ...", flush=True)
+        subprocess.run([sys.executable, __file__, "--calibrate-worker", "--tree", args.trees[0], "--plan",
+                        str(plan_dir), "--threads", str(args.threads)], check=True)
+    runs = {tree: [] for tree in args.trees}
+    for rnd in range(args.rounds):
+        order = args.trees if rnd % 2 == 0 else args.trees[::-1]
+        for tree in order:
+            proc = subprocess.run([sys.executable, __file__, "--worker", "--tree", tree, "--plan", str(plan_dir),
+                                   "--repeats", str(args.repeats), "--new-tokens", str(args.new_tokens),
+                                   "--threads", str(args.threads)], capture_output=True, text=True,
+                                  env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(plan_dir.parent / "inductor-ab")})
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if line is None:
+                raise SystemExit(f"worker for {tree} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            result = json.loads(line[len("RESULT "):])
+            runs[tree].append(result)
+            print(f"round {rnd + 1}: {tree:<24} dense {result['dense']:6.1f} tok/s  dejavu {result['dejavu']:6.1f} "
+                  f"tok/s  ratio {result['ratio']:.3f}", flush=True)
+    summary = {}
+    for tree, rs in runs.items():
+        summary[tree] = {"commit": _git(tree, "rev-parse", "HEAD"), "dirty": bool(_git(tree, "status", "--porcelain")),
+                         "dense_tokens_per_s": statistics.median(r["dense"] for r in rs),
+                         "dejavu_tokens_per_s": statistics.median(r["dejavu"] for r in rs),
+                         "ratio": statistics.median(r["ratio"] for r in rs), "runs": rs}
+    a, b = (summary[t] for t in args.trees)
+    same_tokens = all(r["tokens"] == runs[args.trees[0]][0]["tokens"] for rs in runs.values() for r in rs)
+    import torch
+
+    record = {"machine": f"{platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}",
+              "command": "python benchmarks/decode_ab.py " + " ".join(sys.argv[1:]), "plan": str(plan_dir),
+              "new_tokens": args.new_tokens, "rounds": args.rounds, "repeats": args.repeats,
+              "trees": summary, "ratio_b_over_a": b["ratio"] / a["ratio"], "same_greedy_tokens": same_tokens}
+    pathlib.Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    print(f"\n{record['machine']}")
+    for tree in args.trees:
+        s = summary[tree]
+        print(f"{tree:<24} {s['commit'][:8]}{'+' if s['dirty'] else ' '} dense {s['dense_tokens_per_s']:6.1f} "
+              f"dejavu {s['dejavu_tokens_per_s']:6.1f} tok/s  dejavu/dense {s['ratio']:.3f}x")
+    print(f"B/A of dejavu/dense: {record['ratio_b_over_a']:.3f}; same greedy tokens: {same_tokens}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

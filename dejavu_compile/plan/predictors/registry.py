@@ -1,0 +1,121 @@
+"""The table of predictor kinds: what a plan entry's ``predictor`` name means.
+
+A kind owns everything about one predictor form: how it is fitted at calibration, its tensors'
+names and shapes (checked on load), its scores in eager code and in a compiled graph, and the bytes
+it reads per token. Plan entries, the compiler and calibration ask the kind; none of them switch on
+kind names.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import torch
+
+
+@dataclass
+class FitInputs:
+    """What calibration hands a kind to fit one block's predictor (validation rows excluded)."""
+
+    x: torch.Tensor  # (N, d) the predictor's input: the block's own, or the earlier block's with lookahead
+    x_block: torch.Tensor  # (N, d) the block's own input
+    importance: torch.Tensor  # (N, F) |activation| of every neuron
+    gate: torch.Tensor | None  # (F, d) fp32 gate rows (gated MLPs)
+    up: torch.Tensor  # (F, d) fp32 up rows
+    k: int  # target number of kept neurons (trained kinds aim their loss at it)
+    rank: int
+    steps: int
+    seed: int
+    lookahead: bool
+
+
+class PredictorKind:
+    """One predictor form. Subclasses set the class attributes and implement the methods."""
+
+    name: ClassVar[str]
+    v1_names: ClassVar[dict[str, str]] = {}  # format-1 tensor names ("A", "B", "a", "b") -> this kind's
+    quantized: ClassVar[bool] = False  # tensors kept and read as stored (codes, scales); else model dtype
+    needs_gate: ClassVar[bool] = False  # models a gated MLP's gate and up projections
+    needs_own_input: ClassVar[bool] = False  # is the block's own projection: reads its input (no lookahead)
+    gives_values: ClassVar[bool] = False  # `graph_values` is the block's act(gate) * up (values "predictor")
+    int8_rows: ClassVar[bool] = False  # tensors are the layout of the fused C++ int8 ops (rows, scales)
+    # Plain torch functions (x2d, **tensors, **options) -> (B, F) that the compiler inserts as one
+    # graph node each (AOTAutograd traces through them). Module-level functions held as
+    # staticmethods, so FX code can name them.
+    graph_scores: Callable[..., torch.Tensor]
+    graph_values: Callable[..., torch.Tensor] | None = None  # signed act(g~) * u~, where gives_values
+
+    def fit(self, data: FitInputs) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def validate(self, tensors: dict[str, torch.Tensor], total: int) -> None:
+        """Raise ValueError saying what is wrong with the tensors of an entry of `total` outputs."""
+        raise NotImplementedError
+
+    def input_width(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Features the predictor reads (the width of its input)."""
+        raise NotImplementedError
+
+    def flops(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Multiply-adds x2 per token."""
+        raise NotImplementedError
+
+    def graph_inputs(self, tensors: dict[str, torch.Tensor], activation: str,
+                     dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(tensors as the graph functions take them in a model of `dtype`, their other keyword arguments)."""
+        if self.quantized:
+            raise NotImplementedError
+        return {n: t.to(dtype) for n, t in tensors.items()}, {}
+
+    # ------------------------------------------------------------------ derived from the above
+    def scores(self, tensors: dict[str, torch.Tensor], x: torch.Tensor, activation: str) -> torch.Tensor:
+        """(..., d) -> (..., F) scores (higher = keep), eagerly, with the graph's arithmetic: quantized
+        kinds in fp32, others in x's floating dtype."""
+        dtype = torch.float32 if self.quantized or not x.dtype.is_floating_point else x.dtype
+        inputs, options = self.graph_inputs(tensors, activation, dtype)
+        inputs = {n: t.to(x.device) for n, t in inputs.items()}
+        flat = x.reshape(-1, x.shape[-1]).to(dtype)
+        return self.graph_scores(flat, **inputs, **options).view(*x.shape[:-1], -1)
+
+    def read_bytes(self, tensors: dict[str, torch.Tensor], element_size: int) -> int:
+        """Bytes read per token in a model whose weights take `element_size` bytes: quantized kinds'
+        tensors as stored, others' in the model's dtype (the backend casts them to it)."""
+        if self.quantized:
+            return sum(t.numel() * t.element_size() for t in tensors.values())
+        return sum(t.numel() for t in tensors.values()) * element_size
+
+    def storage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor as the plan file keeps it."""
+        return tensor.detach() if self.quantized else tensor.detach().float()
+
+    def fits_block(self, tensors: dict[str, torch.Tensor], gated: bool | None, width: int | None) -> str | None:
+        """Why this predictor cannot serve a block (None when it can): gated or not, input width."""
+        if self.needs_gate and gated is False:
+            return "quantized gate/up predictor but the block has no gate" if self.quantized else \
+                "gate/up predictor but the block has no gate"
+        reads = self.input_width(tensors)
+        if width is not None and reads != width:
+            return f"predictor reads {reads} features, the block input has {width}"
+        return None
+
+
+_KINDS: dict[str, PredictorKind] = {}
+
+
+def register(kind: PredictorKind) -> PredictorKind:
+    """Add a kind to the table under ``kind.name``."""
+    if kind.name in _KINDS and type(_KINDS[kind.name]) is not type(kind):
+        raise ValueError(f"predictor kind {kind.name!r} is already registered")
+    _KINDS[kind.name] = kind
+    return kind
+
+
+def get(name: str) -> PredictorKind:
+    try:
+        return _KINDS[name]
+    except KeyError:
+        raise ValueError(f"unknown predictor kind {name!r} (known: {', '.join(sorted(_KINDS))})") from None
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_KINDS)
