@@ -8,7 +8,8 @@ the same plan directory (calibrated once with the first tree's defaults, unless 
 and measuring Inductor dense and dejavu decode interleaved (static cache, greedy, medians). Only
 the public API is used (``dejavu_compile.calibrate``, ``SparsityPlan``, ``prepare_model``), so any
 two versions compare. Reported: tokens/s per tree and the dejavu/dense ratio, which cancels most
-of the machine's drift between processes.
+of the machine's drift between processes. Then one process per tree measures held-out perplexity (dense
+and the plan through the masked simulation) on the bundled Wikipedia and news texts.
 """
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ import subprocess
 import sys
 import time
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+HERE = pathlib.Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+# This folder holds a kernels.py, which would shadow the `kernels` package transformers probes for.
+sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != HERE]
 PROMPT = "The history of the city begins in the Roman period, when"
 
 
@@ -56,8 +60,8 @@ def worker(args) -> None:
     dv.prepare_model(model)
     ids = tok(PROMPT, return_tensors="pt").input_ids
     original = model.forward
-    forwards = {"dense": torch.compile(original, backend="inductor"),
-                "dejavu": torch.compile(original, backend="dejavu", options={"plan": plan})}
+    forwards = {"dense": torch.compile(original, backend="inductor"),  # the tree's own backend object, not the
+                "dejavu": torch.compile(original, backend=dv.dejavu_backend, options={"plan": plan})}  # entry point
 
     def generate(n):
         with torch.no_grad():
@@ -86,6 +90,29 @@ def worker(args) -> None:
     print("RESULT " + json.dumps(result))
 
 
+def quality_worker(args) -> None:
+    """Held-out perplexity, dense and under the plan (the backend's masked simulation)."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    dv = _use_tree(args.tree)
+    try:
+        from dejavu_compile.assets.data import news_texts, tokenize_chunks, wiki_articles
+        from dejavu_compile.evaluation.perplexity import perplexity
+    except ImportError:  # trees laid out before the assets/ and evaluation/ subpackages
+        from dejavu_compile.data import news_texts, tokenize_chunks, wiki_articles
+        from dejavu_compile.evaluate import perplexity
+    model, tok = _load_smollm2()
+    plan = dv.SparsityPlan.load(args.plan)
+    result = {}
+    for name, texts, tokens in (("wiki", wiki_articles("eval"), args.eval_tokens),
+                                ("news", news_texts(), args.eval_tokens)):
+        chunks = tokenize_chunks(tok, texts, seq_len=256, max_tokens=tokens)
+        dense, sparse = perplexity(model, chunks), perplexity(model, chunks, plan)
+        result[name] = {"dense": dense, "plan": sparse, "increase": sparse / dense - 1}
+    print("RESULT " + json.dumps(result))
+
+
 def calibrate_worker(args) -> None:
     import torch
 
@@ -93,6 +120,19 @@ def calibrate_worker(args) -> None:
     dv = _use_tree(args.tree)
     model, tok = _load_smollm2()
     dv.calibrate(model, tok).save(args.plan)
+
+
+def _run_worker(mode: str, tree: str, plan_dir: pathlib.Path, args) -> dict:
+    """One worker process on ``tree``; its RESULT line."""
+    proc = subprocess.run([sys.executable, __file__, mode, "--tree", tree, "--plan", str(plan_dir),
+                           "--repeats", str(args.repeats), "--new-tokens", str(args.new_tokens),
+                           "--threads", str(args.threads), "--eval-tokens", str(args.eval_tokens)],
+                          capture_output=True, text=True, check=False,
+                          env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(plan_dir.parent / "inductor-ab")})
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        raise SystemExit(f"{mode} for {tree} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
 
 
 def _git(tree: str, *cmd) -> str:
@@ -112,13 +152,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(RESULTS / "decode-ab.json"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--eval-tokens", type=int, default=2048, help="held-out tokens per text set (0: no quality)")
     ap.add_argument("--calibrate-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--quality-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tree", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
     if args.calibrate_worker:
         return calibrate_worker(args)
+    if args.quality_worker:
+        return quality_worker(args)
     if len(args.trees) != 2:
         ap.error("give two source trees")
     plan_dir = pathlib.Path(args.plan) if args.plan else RESULTS.parent.parent / ".cache" / "decode-ab-plan"
@@ -130,23 +174,19 @@ def main() -> None:
     for rnd in range(args.rounds):
         order = args.trees if rnd % 2 == 0 else args.trees[::-1]
         for tree in order:
-            proc = subprocess.run([sys.executable, __file__, "--worker", "--tree", tree, "--plan", str(plan_dir),
-                                   "--repeats", str(args.repeats), "--new-tokens", str(args.new_tokens),
-                                   "--threads", str(args.threads)], capture_output=True, text=True,
-                                  env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(plan_dir.parent / "inductor-ab")})
-            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            if line is None:
-                raise SystemExit(f"worker for {tree} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-            result = json.loads(line[len("RESULT "):])
+            result = _run_worker("--worker", tree, plan_dir, args)
             runs[tree].append(result)
             print(f"round {rnd + 1}: {tree:<24} dense {result['dense']:6.1f} tok/s  dejavu {result['dejavu']:6.1f} "
                   f"tok/s  ratio {result['ratio']:.3f}", flush=True)
+    quality = {tree: _run_worker("--quality-worker", tree, plan_dir, args) for tree in args.trees} \
+        if args.eval_tokens else {}
     summary = {}
     for tree, rs in runs.items():
         summary[tree] = {"commit": _git(tree, "rev-parse", "HEAD"), "dirty": bool(_git(tree, "status", "--porcelain")),
                          "dense_tokens_per_s": statistics.median(r["dense"] for r in rs),
                          "dejavu_tokens_per_s": statistics.median(r["dejavu"] for r in rs),
-                         "ratio": statistics.median(r["ratio"] for r in rs), "runs": rs}
+                         "ratio": statistics.median(r["ratio"] for r in rs), "runs": rs,
+                         "perplexity": quality.get(tree)}
     a, b = (summary[t] for t in args.trees)
     same_tokens = all(r["tokens"] == runs[args.trees[0]][0]["tokens"] for rs in runs.values() for r in rs)
     import torch
@@ -159,8 +199,10 @@ def main() -> None:
     print(f"\n{record['machine']}")
     for tree in args.trees:
         s = summary[tree]
+        q = s["perplexity"]
+        ppl = f"  Δppl wiki {q['wiki']['increase']:+.2%} news {q['news']['increase']:+.2%}" if q else ""
         print(f"{tree:<24} {s['commit'][:8]}{'+' if s['dirty'] else ' '} dense {s['dense_tokens_per_s']:6.1f} "
-              f"dejavu {s['dejavu_tokens_per_s']:6.1f} tok/s  dejavu/dense {s['ratio']:.3f}x")
+              f"dejavu {s['dejavu_tokens_per_s']:6.1f} tok/s  dejavu/dense {s['ratio']:.3f}x{ppl}")
     print(f"B/A of dejavu/dense: {record['ratio_b_over_a']:.3f}; same greedy tokens: {same_tokens}")
     print(f"wrote {args.out}")
 

@@ -293,7 +293,9 @@ def test_quality_budget_mode_respects_its_budget(budget):
     assert plan.settings["max_ppl_increase"] == budget
     if plan.mlp_density < 1.0:
         assert plan.settings["holdout_ppl_increase"] <= budget
-    holdout = tokenize_chunks(_ByteTokenizer(), [text], 32, 512 + 4 * 32)[-4:]  # what calibrate held back
+    from dejavu_compile.calibration.calibrate import split_holdout
+
+    holdout = split_holdout(tokenize_chunks(_ByteTokenizer(), [text], 32, 512 + 1024), 512, 32)[1]  # held out
     inc = perplexity(model, holdout, plan) / perplexity(model, holdout) - 1.0
     assert inc <= budget + 1e-6
     if budget == 0.5:

@@ -115,11 +115,26 @@ def test_other_decoders_match_without_new_code(arch):
             {"qwen3": {"per_head"}, "olmo2": {"across_heads"}}[arch]
 
 
+def test_alibi_attention_is_matched_with_its_per_head_bias():
+    """BLOOM's ALiBi attention (baddbmm over heads folded into the batch axis) is multi-head
+    attention with a per-head score bias: matched, the bias recorded on the block."""
+    model = tiny_model("bloom")
+    report = dejavu_compile.explain(model, _ids())
+    assert (report.attention_matched, report.mlp_matched) == (2, 2) and report.fallbacks == [], str(report)
+    for block in (b for b in report.blocks if b.kind == "attention"):
+        assert (block.position_bias, block.attention, block.num_heads, block.head_dim) == ("alibi", "eager", 4, 16)
+        assert block.nodes["position_bias"] is not None
+        assert block.q.name == f"transformer.h.{block.layer}.self_attention.query_key_value.weight"
+        # head h of q reads rows [48h, 48h + 16) of the per-head interleaved q/k/v weight
+        rows = block.nodes["head_rows"]["q"]
+        assert torch.equal(rows, torch.arange(4)[:, None] * 48 + torch.arange(16))
+    llama = dejavu_compile.explain(tiny_model("llama", attn_implementation="eager"), _ids())
+    assert {b.position_bias for b in llama.blocks if b.kind == "attention"} == {"none"}  # a shared mask is no bias
+
+
 def test_unsupported_attention_is_reported_not_matched():
-    """BLOOM's ALiBi attention (baddbmm) is not a pattern we know: it must show up as left dense."""
-    config = AutoConfig.for_model("bloom", hidden_size=64, n_layer=2, n_head=4, vocab_size=128,
-                                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    """GPT-1's attention is a pattern the rule cannot prove: it must show up as left dense."""
+    model = tiny_model("openai-gpt")
     report = dejavu_compile.explain(model, _ids())
     assert report.attention_matched == 0 and report.mlp_matched == 2
     assert {where for where, _ in report.fallbacks} == {"layer 0", "layer 1"}

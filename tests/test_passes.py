@@ -45,15 +45,17 @@ def test_passes_run_in_order_and_count_what_they_did():
     gm, inputs = _dynamo_graph(model, _ids(2, 1))
     opts = backend.validate_options({"plan": plan, "inner": "eager", "cpu_lowering": "op"})
     passes = default_passes(opts)
-    assert [p.name for p in passes] == ["match", "training_guard", "plan_check", "decode_shape", "sparse_mlp",
-                                        "sparse_attention"]
+    assert [p.name for p in passes] == ["match", "training_guard", "auto_plan", "plan_check", "weights_check",
+                                        "decode_shape", "sparse_mlp", "sparse_attention"]
     report = backend.BackendReport("test")
     ctx = PassContext(list(inputs), opts, report)
     split = [p.name for p in passes].index("sparse_mlp")
     with torch.no_grad():  # the training guard checks grad mode
         gm = run_passes(gm, passes[:split], ctx)
     layers = model.config.num_hidden_layers
-    assert report.pass_counts == {"match": 2 * layers, "training_guard": 0, "plan_check": layers, "decode_shape": 0}
+    params = len(list(model.parameters()))
+    assert report.pass_counts == {"match": 2 * layers, "training_guard": 0, "auto_plan": 0, "plan_check": layers,
+                                  "weights_check": params, "decode_shape": 0}
     linears_before = len(find_linears(gm))
     assert dejavu_op_nodes(gm) == []
 
@@ -85,7 +87,8 @@ def test_debug_logging_shows_each_graph_before_and_after_each_pass(caplog):
     with torch.no_grad(), caplog.at_level(logging.DEBUG, logger="dejavu_compile.passes"):
         torch.compile(model, backend="dejavu", options={"plan": plan, "inner": "eager"})(_ids(1, 1), use_cache=False)
     torch._dynamo.reset()
-    for name in ("match", "training_guard", "plan_check", "decode_shape", "sparse_mlp", "sparse_attention"):
+    for name in ("match", "training_guard", "auto_plan", "plan_check", "weights_check", "decode_shape", "sparse_mlp",
+                 "sparse_attention"):
         assert f"before pass {name}:" in caplog.text and f"after pass {name} " in caplog.text, name
     after_mlp = caplog.text.split("after pass sparse_mlp", 1)[1].split("before pass sparse_attention", 1)[0]
     assert "dejavu.sparse_gated_mlp" in after_mlp or "dejavu.cpu_sparse_mlp" in after_mlp

@@ -163,3 +163,81 @@ def test_full_density_head_sparse_logits_within_fp32_tolerance_with_inductor():
         got = _compile(model, plan, reports)(ids, use_cache=False).logits
     assert any("4/4 heads" in line for line in reports[-1].rewritten)
     assert describe_difference("logits", got, expected, rtol=1e-4, atol=1e-4) is None
+
+
+# ALiBi: a per-head additive score bias. BLOOM folds the heads into the batch axis (baddbmm, bmm);
+# MPT adds it to eager matmul scores; Falcon (alibi=True) hands it to SDPA inside the mask, or adds
+# it to eager scores in place.
+ALIBI = [("bloom", {}), ("mpt", {}), ("falcon", {"alibi": True}),
+         ("falcon", {"alibi": True, "attn_implementation": "eager"})]
+
+
+def _alibi_model_and_plan(arch, overrides):
+    """A tiny ALiBi model and a calibrated plan keeping half of the heads (MLPs dense; the calibration may spread the heads unevenly over the layers), each head
+    predictor reading its own block's input."""
+    from dejavu_compile.calibration.calibrate import calibrate
+    from dejavu_compile.calibration.collect import collect
+
+    model = tiny_model(arch, **overrides)
+    g = torch.Generator().manual_seed(1)
+    samples, _ = collect(model, [torch.randint(3, 120, (1, 24), generator=g) for _ in range(3)], progress=False)
+    plan = calibrate(model, None, samples=samples, predictor="lowrank", mlp_density=1.0, attn_density=0.5,
+                     lookahead=False, train_steps=8, progress=False, dense_when_unprofitable=False)
+    return model, plan
+
+
+def _masked_heads_reference(model, plan, blocks, ids):
+    """Eager logits with hooks: each attention block's output projection sees only the heads its
+    plan entry selects from the block's input (the other heads' outputs zeroed), whatever the model."""
+    modules = dict(model.named_modules())
+    handles, inputs = [], {}
+    for block in blocks:
+        entry = plan.entries[(block.layer, "attention")]
+        assert not entry.lookahead and not entry.dense
+
+        def keep_input(module, args, layer=block.layer):
+            inputs[layer] = args[0].reshape(-1, args[0].shape[-1])
+
+        def mask_heads(module, args, block=block, entry=entry):
+            heads = args[0]  # (B, T, H*D)
+            idx = entry.select(inputs[block.layer])
+            mask = torch.zeros(idx.shape[0], entry.total).scatter(-1, idx, 1.0).repeat_interleave(block.head_dim, -1)
+            return (heads * mask.view_as(heads), *args[1:])
+
+        handles.append(modules[block.q.name.rsplit(".", 1)[0]].register_forward_pre_hook(keep_input))
+        handles.append(modules[block.o.name.rsplit(".", 1)[0]].register_forward_pre_hook(mask_heads))
+    return logits_with_hooks(model, ids, handles)
+
+
+@pytest.mark.parametrize("arch, overrides", ALIBI, ids=[f"{a}-{o.get('attn_implementation', 'default')}" for a, o in ALIBI])
+def test_alibi_attention_is_matched_calibrated_and_masked_like_the_reference(arch, overrides):
+    """ALiBi heads are independent (the bias is per head): matched, calibrated, and the masked
+    simulation (prefill and decode shapes) equals zeroing the unselected heads before the output
+    projection. The head-sparse lowering takes SDPA (Falcon) and equals the same reference; eager
+    ALiBi attention (BLOOM, MPT, Falcon eager) stays dense there, and says why."""
+    from dejavu_compile import explain
+
+    model, plan = _alibi_model_and_plan(arch, overrides)
+    report = explain(model, _ids(2, 5))
+    blocks = [b for b in report.blocks if b.kind == "attention"]
+    assert report.attention_matched == 2 and report.fallbacks == [], str(report)
+    assert {b.position_bias for b in blocks} == {"alibi"}
+    sdpa = arch == "falcon" and "attn_implementation" not in overrides
+    assert {b.attention for b in blocks} == {"sdpa" if sdpa else "eager"}
+    with torch.no_grad():
+        for ids in (_ids(2, 5), _ids(2, 1)):
+            expected = _masked_heads_reference(model, plan, blocks, ids)
+            dense = model(ids, use_cache=False).logits
+            assert (dense - expected).abs().max() > 1e-3  # the plan really removed heads
+            got = _compile(model, plan, simulate=True, inner="eager")(ids, use_cache=False).logits
+            assert describe_difference(f"{arch} simulation {tuple(ids.shape)}", got, expected, rtol=1e-4, atol=1e-4) is None
+        reports = []
+        got = _compile(model, plan, reports)(ids, use_cache=False).logits
+    lowered = [line for r in reports for line in r.rewritten if "/4 heads" in line]
+    reasons = [why for r in reports for _, why in r.match.fallbacks]
+    if sdpa:
+        assert len(lowered) == 2, [r.rewritten for r in reports]
+        assert describe_difference(f"{arch} decode", got, expected, rtol=1e-4, atol=1e-4) is None
+    else:
+        assert not lowered and any("scaled_dot_product_attention" in why for why in reasons), reasons
+        assert describe_difference(f"{arch} decode", got, dense, rtol=1e-4, atol=1e-4) is None

@@ -214,7 +214,7 @@ def _sparse_logits(model, plan, ids, options):
     return got, reports[-1]
 
 
-def _predictor_values_reference(model, plan, ids):
+def predictor_values_reference(model, plan, ids):
     """Logits of eager with each MLP replaced by what a values="predictor" entry means: the int8
     predictor's act(g~) * u~ (float64, from the dequantized rows) on the top k by magnitude, times
     the down projection."""
@@ -243,7 +243,7 @@ def test_predictor_values_decode_matches_reference(batch):
     model = tiny_model("llama", intermediate=320)
     plan = _int8_plan(model, 0.4, values="predictor")
     ids = _ids(batch, 1)
-    expected = _predictor_values_reference(model, plan, ids)
+    expected = predictor_values_reference(model, plan, ids)
     exact_values = _masked_reference_llama(model, _int8_plan(model, 0.4), ids)
     with torch.no_grad():
         for options in ({"inner": "eager"}, {"inner": "inductor"}, {"inner": "inductor", "cpu_lowering": "decomposed"},

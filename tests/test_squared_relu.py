@@ -14,6 +14,7 @@ from dejavu_compile.calibration.calibrate import calibrate  # noqa: E402
 from dejavu_compile.calibration.collect import collect  # noqa: E402
 from dejavu_compile.testing import describe_difference  # noqa: E402
 from dejavu_compile.testing.tiny import tiny_model  # noqa: E402
+from tests.test_sparse_backend import logits_with_hooks  # noqa: E402
 
 V = 128
 
@@ -49,12 +50,7 @@ def masked_reference_float64(model, plan, ids):
         source = block.input_layernorm if entry.lookahead else block.post_attention_layernorm
         handles.append(source.register_forward_hook(keep_source))
         handles.append(block.mlp.register_forward_hook(sparse_mlp))
-    try:
-        with torch.no_grad():
-            return model(ids, use_cache=False).logits
-    finally:
-        for h in handles:
-            h.remove()
+    return logits_with_hooks(model, ids, handles)
 
 
 @pytest.fixture(scope="module")

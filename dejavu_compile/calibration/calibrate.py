@@ -4,19 +4,27 @@
     plan = calibrate(model, tokenizer, texts=[...], mlp_density=0.6)
     plan = calibrate(model, tokenizer, values="exact")   # kept neurons computed from the fp32 weights
     plan = calibrate(model, tokenizer, max_ppl_increase=0.03)   # quality budget instead of density
+    plan.settings["quality"]   # {"dense_ppl", "plan_ppl", "increase", "tokens", ...} on held-out tokens
 
 `calibrate` runs named steps: collect_calibration_data -> choose_options -> fit_layers ->
-(per density) allocate_k -> build_entries -> record_settings; with a quality budget,
-lowest_density_within_budget repeats the last three. Per-block facts (gated or not, activation,
-weights) come from the matched block records, never from config attribute names.
+(per density) allocate_k -> build_entries -> record_settings -> check_quality; with a quality
+budget, lowest_density_within_budget repeats allocate_k to record_settings and measures each plan.
+Per-block facts (gated or not, activation, weights) come from the matched block records, never
+from config attribute names. Default operating points and their measurements: benchmarks/README.md.
+
+Quality is measured, not assumed: the last calibration batches (at most HOLDOUT_TOKENS tokens) are
+held out from collection, and the returned plan's perplexity on them, through the backend's masked
+simulation, is stored in ``plan.settings["quality"]``; above `warn_ppl_increase` calibrate warns
+(PlanQualityWarning).
 Default operating points and their measurements: benchmarks/README.md.
 
-CLI: `dejavu-compile calibrate --out DIR [--density D] ...` (see `main_calibrate`).
+CLI: `dejavu-compile calibrate --out DIR [--density D] ...` (dejavu_compile/cli.py).
 """
 from __future__ import annotations
 
-import argparse
+import math
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +43,17 @@ DEFAULT_MLP_DENSITY = {"int8": 0.6, "int4": 0.6, "lowrank": 0.98}
 DEFAULT_RANK_FRACTION = 0.25  # predictor rank r = fraction * d (per projection of the low-rank gated predictor)
 DEFAULT_MAX_TOKENS = 8192
 DEFAULT_SEQ_LEN = 256
-HOLDOUT_CHUNKS = 4  # sequences held back for the quality budget's perplexity
+# Held out from collection for the quality check: the batches beyond max_tokens, topped up to a
+# tenth of a short text, at most this many tokens (a dense and a simulated pass over them: seconds).
+HOLDOUT_TOKENS = 1024
+HOLDOUT_SHARE = 0.1
+# calibrate warns above this perplexity increase on the held-out tokens. SmolLM2-135M's default plan
+# (int8, density 0.6) measures about +1% (README, Results): 5% flags a plan well off that point.
+DEFAULT_WARN_PPL_INCREASE = 0.05
+
+
+class PlanQualityWarning(UserWarning):
+    """The calibrated plan raises perplexity on held-out calibration tokens above `warn_ppl_increase`."""
 
 
 @dataclass
@@ -43,7 +61,8 @@ class CalibrationData:
     samples: dict  # layer -> LayerSamples
     mlp_blocks: dict  # layer -> matched MLPBlock
     heads: dict  # layer -> query heads of its matched attention block
-    holdout: list  # token chunks for the quality budget (empty without one)
+    holdout: list  # held-out token chunks for the quality check (empty: nothing held out)
+    holdout_reason: str | None  # why nothing is held out, when so
     collect_s: float
 
 
@@ -96,6 +115,7 @@ def calibrate(
     min_density: float = 0.125,
     allocation: str = "auto",
     max_ppl_increase: float | None = None,
+    warn_ppl_increase: float | None = DEFAULT_WARN_PPL_INCREASE,
     predictor: str = "auto",
     values: str = "auto",
     train_steps: int = 400,
@@ -134,16 +154,24 @@ def calibrate(
         ("predictor" with the int8 predictor, else "exact").
     train_steps: optimizer steps of each trained (plain-MLP) predictor; more steps, better recall.
     max_ppl_increase: instead of `mlp_density`, the lowest density (grid of 0.05) whose perplexity
-        increase on held-back calibration text stays within this relative budget (e.g. 0.03).
-    samples: precomputed `collect` output (skips collection; for experiments and tests).
+        increase on the held-out calibration tokens stays within this relative budget (e.g. 0.03).
+    warn_ppl_increase: the plan's perplexity increase on the held-out calibration tokens (the last
+        batches of the text, at most HOLDOUT_TOKENS, never collected) is measured through the
+        backend's masked simulation and stored in ``plan.settings["quality"]``; above this bound
+        calibrate warns (PlanQualityWarning) with the figure. None: not measured.
+    samples: precomputed `collect` output (skips collection; for experiments and tests). Nothing is
+        held out then: ``settings["quality"]`` is None and ``settings["quality_note"]`` says why.
     return_builder: return `build(mlp_density) -> SparsityPlan` instead of a plan, to make plans of
         several densities from one fit (attention density stays `attn_density`).
     """
     _check_choices(predictor, values, allocation)
-    torch.manual_seed(seed)
     t0 = time.time()
+    if samples is not None and max_ppl_increase is not None:
+        raise ValueError("max_ppl_increase measures plans on calibration tokens held out from collection; with "
+                         "precomputed samples= there are none: pass texts (and a tokenizer) instead of samples")
     data = collect_calibration_data(model, tokenizer, texts, samples, max_tokens, seq_len,
-                                    with_holdout=max_ppl_increase is not None, progress=progress)
+                                    with_holdout=max_ppl_increase is not None or warn_ppl_increase is not None,
+                                    progress=progress)
     options = choose_options(model, data, predictor, values, lookahead, mlp_density, allocation)
     n = data.samples[min(data.samples)].mlp_input.shape[0]
     fit_idx, val_idx = _split(n, 0.8, seed)
@@ -163,8 +191,12 @@ def calibrate(
     if return_builder:  # one fit, many densities (benchmarks)
         return build
     if max_ppl_increase is None:
-        return build(options.mlp_density)
-    return lowest_density_within_budget(model, data.holdout, build, max_ppl_increase, fingerprint, progress)
+        plan = build(options.mlp_density)
+        check_quality(model, plan, data, warn_ppl_increase, progress)
+    else:
+        plan = lowest_density_within_budget(model, data.holdout, build, max_ppl_increase, fingerprint, progress)
+    plan.settings["total_s"] = round(time.time() - t0, 1)
+    return plan
 
 
 def _check_choices(predictor: str, values: str, allocation: str) -> None:
@@ -176,24 +208,45 @@ def _check_choices(predictor: str, values: str, allocation: str) -> None:
         raise ValueError(f"allocation must be 'auto', 'uniform' or 'greedy', got {allocation!r}")
 
 
+def split_holdout(chunks: list, max_tokens: int, seq_len: int) -> tuple[list, list]:
+    """(chunks to collect, chunks held out for the quality check): the last chunks, as many as lie
+    beyond `max_tokens`, topped up to HOLDOUT_SHARE of the chunks, at most HOLDOUT_TOKENS tokens and
+    at least one; none when there is a single chunk. With text to spare the collected chunks are
+    the ones collection would take without a hold-out."""
+    if len(chunks) < 2:
+        return chunks, []
+    beyond = len(chunks) - math.ceil(max_tokens / seq_len)
+    n = max(1, min(max(beyond, int(HOLDOUT_SHARE * len(chunks))), _holdout_chunks(seq_len)))
+    return chunks[:-n], chunks[-n:]
+
+
+def _holdout_chunks(seq_len: int) -> int:
+    return max(1, HOLDOUT_TOKENS // seq_len)  # one chunk when a chunk is longer than HOLDOUT_TOKENS
+
+
 def collect_calibration_data(model, tokenizer, texts, samples, max_tokens: int, seq_len: int,
                              with_holdout: bool, progress: bool) -> CalibrationData:
     """Block inputs and true importance per layer (`collect`, unless `samples` are given), the
-    matched MLP blocks, and held-back token chunks when a quality budget needs them."""
+    matched MLP blocks, and the token chunks held out from collection (`split_holdout`) for the
+    quality check."""
     from dejavu_compile.assets.data import tokenize_chunks, wiki_articles
 
     t0 = time.time()
-    if texts is None and (samples is None or with_holdout):
-        texts = wiki_articles("calibration")
-    holdout, blocks = [], None
+    holdout, blocks, reason = [], None, None
     if samples is None:
-        extra = HOLDOUT_CHUNKS * seq_len if with_holdout else 0
+        if texts is None:
+            texts = wiki_articles("calibration")
+        extra = _holdout_chunks(seq_len) * seq_len if with_holdout else 0
         chunks = tokenize_chunks(tokenizer, texts, seq_len, max_tokens + extra)
-        if extra:
-            holdout, chunks = chunks[-HOLDOUT_CHUNKS:], chunks[:-HOLDOUT_CHUNKS]
+        if with_holdout:
+            chunks, holdout = split_holdout(chunks, max_tokens, seq_len)
+            if not holdout:
+                reason = "the calibration text is a single batch: nothing to hold out"
         samples, blocks = collect(model, chunks, max_tokens=max_tokens, progress=progress)
-    elif with_holdout:
-        holdout = tokenize_chunks(tokenizer, texts, seq_len, HOLDOUT_CHUNKS * seq_len)
+    else:
+        reason = "calibrated from precomputed samples: no token batches to hold out"
+    if not with_holdout:
+        reason = "not measured (warn_ppl_increase=None)"
     if blocks is None:
         from dejavu_compile.compiler.explain import matched_blocks
 
@@ -203,7 +256,7 @@ def collect_calibration_data(model, tokenizer, texts, samples, max_tokens: int, 
     missing = [l for l in sorted(samples) if l not in mlp_blocks]
     if missing:
         raise ValueError(f"layers {missing} have samples but no matched MLP block")
-    return CalibrationData(samples, mlp_blocks, heads, holdout, time.time() - t0)
+    return CalibrationData(samples, mlp_blocks, heads, holdout, reason, time.time() - t0)
 
 
 def choose_options(model, data: CalibrationData, predictor, values, lookahead, mlp_density, allocation) -> Options:
@@ -351,22 +404,64 @@ def record_settings(options: Options, mlp_blocks: dict, fits: dict[int, LayerFit
             "total_s": round(seconds, 1)}
 
 
-def lowest_density_within_budget(model, holdout, build, max_ppl_increase: float, fingerprint, progress: bool):
-    """The lowest MLP density on a 0.05 grid whose perplexity on held-back calibration text stays
-    within `max_ppl_increase` of the dense model's (the dense plan when none does)."""
+def quality_record(dense_ppl: float, plan_ppl: float, holdout: list, seconds: float) -> dict:
+    """What ``settings["quality"]`` holds: perplexity dense and under the plan on the held-out tokens."""
+    return {"dense_ppl": round(dense_ppl, 4), "plan_ppl": round(plan_ppl, 4),
+            "increase": round(plan_ppl / dense_ppl - 1.0, 5), "tokens": sum(c.numel() for c in holdout),
+            "split": "calibration text, held out from collection", "seconds": round(seconds, 1)}
+
+
+def check_quality(model, plan: SparsityPlan, data: CalibrationData, warn_ppl_increase: float | None,
+                  progress: bool) -> None:
+    """Measure `plan` on the held-out tokens (one dense and one masked-simulation pass), record it in
+    ``plan.settings["quality"]``, and warn when the increase is above `warn_ppl_increase`."""
     from dejavu_compile.evaluation.perplexity import perplexity
 
+    plan.settings["warn_ppl_increase"] = warn_ppl_increase
+    if warn_ppl_increase is None or not data.holdout:
+        plan.settings["quality"] = None
+        plan.settings["quality_note"] = data.holdout_reason
+        return
+    t0 = time.time()
+    dense_ppl = perplexity(model, data.holdout)
+    plan_ppl = perplexity(model, data.holdout, plan)
+    quality = plan.settings["quality"] = quality_record(dense_ppl, plan_ppl, data.holdout, time.time() - t0)
+    if progress:
+        print(f"held-out calibration tokens ({quality['tokens']}): perplexity {dense_ppl:.3f} dense, "
+              f"{plan_ppl:.3f} with the plan ({quality['increase']:+.2%})")
+    if quality["increase"] > warn_ppl_increase:
+        warnings.warn(
+            f"the calibrated plan raises perplexity by {quality['increase']:+.1%} on {quality['tokens']} held-out "
+            f"calibration tokens ({dense_ppl:.3f} dense -> {plan_ppl:.3f}, MLP density {plan.mlp_density:.2f}), "
+            f"above warn_ppl_increase={warn_ppl_increase:.0%}: its output may differ noticeably from the dense "
+            f"model's. Raise mlp_density, or pass max_ppl_increase={warn_ppl_increase} to get the sparsest plan "
+            "within that budget.", PlanQualityWarning, stacklevel=3)
+
+
+def lowest_density_within_budget(model, holdout, build, max_ppl_increase: float, fingerprint, progress: bool):
+    """The lowest MLP density on a 0.05 grid whose perplexity on the held-out calibration tokens stays
+    within `max_ppl_increase` of the dense model's (the dense plan when none does); the chosen plan's
+    measurement is its ``settings["quality"]``."""
+    from dejavu_compile.evaluation.perplexity import perplexity
+
+    if not holdout:
+        raise ValueError("max_ppl_increase needs held-out calibration tokens, and the calibration text is a single "
+                         "batch: pass more text (or a smaller seq_len)")
+    t0 = time.time()
     base = perplexity(model, holdout)
     best = SparsityPlan.dense(model, {"method": "dense", "max_ppl_increase": max_ppl_increase})
     best.fingerprint = fingerprint
+    best.settings["quality"] = quality_record(base, base, holdout, 0.0)
     for density in [round(1.0 - 0.05 * i, 2) for i in range(1, 15)]:
         plan = build(density)
-        inc = perplexity(model, holdout, plan) / base - 1.0
+        ppl = perplexity(model, holdout, plan)
+        inc = ppl / base - 1.0
         if progress:
             print(f"density {density:.2f}: calibration-holdout perplexity {inc:+.2%}")
         if inc > max_ppl_increase:
             break
         plan.settings["holdout_ppl_increase"] = inc
+        plan.settings["quality"] = quality_record(base, ppl, holdout, time.time() - t0)
         best = plan
     return best
 
@@ -390,54 +485,3 @@ def _split(n: int, frac: float = 0.8, seed: int = 0):
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     cut = int(n * frac)
     return perm[:cut], perm[cut:]
-
-
-def main_calibrate(argv=None) -> int:
-    """`dejavu-compile calibrate --out DIR [--density D] [--attn-density D] [--texts FILE] ...`"""
-    ap = argparse.ArgumentParser(prog="dejavu-compile calibrate", description="Calibrate a Deja Vu sparsity plan.")
-    ap.add_argument("--out", required=True, help="directory to write the plan to")
-    ap.add_argument("--model", default="smollm2", help="'smollm2' (bundled GGUF) or a local HF model directory")
-    ap.add_argument("--density", type=float, default=None,
-                    help="average MLP density to keep (default: 0.6 with the int8 and int4 predictors, 0.98 with lowrank)")
-    ap.add_argument("--attn-density", type=float, default=1.0, help="average attention head density")
-    ap.add_argument("--max-ppl-increase", type=float, default=None, help="quality budget, e.g. 0.03 (overrides --density)")
-    ap.add_argument("--texts", default=None, help="text file to calibrate on (default: bundled Wikipedia split)")
-    ap.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
-    ap.add_argument("--rank", type=int, default=None)
-    ap.add_argument("--predictor", choices=("auto", "lowrank", "int8", "int4"), default="auto",
-                    help="lowrank: Deja Vu-style with lookahead; int8: the block's own gate/up in int8 (near-oracle); "
-                         "int4: gate/up in 4 bits fitted to the calibration activations (learned, near-oracle, no "
-                         "fast kernel yet); auto: int8 for gated MLPs on CPU, else lowrank")
-    ap.add_argument("--values", choices=("auto", "exact", "predictor"), default="auto",
-                    help="kept neurons' act(gate)*up: exact (fp32 weights) or from the int8 predictor (reads only "
-                         "their down rows); auto: predictor with the int8 predictor")
-    ap.add_argument("--allocation", choices=("auto", "uniform", "greedy"), default="auto",
-                    help="spread of the MLP density over layers: uniform, or greedy on each layer's captured "
-                         "mass; auto: uniform with the int8/int4 predictors, greedy with lowrank")
-    ap.add_argument("--no-lookahead", action="store_true")
-    ap.add_argument("--threads", type=int, default=None)
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.model == "smollm2":
-        from dejavu_compile.assets.models import load_smollm2
-
-        model, tok = load_smollm2()
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-        tok = AutoTokenizer.from_pretrained(args.model)
-    texts = None
-    if args.texts:
-        from dejavu_compile.assets.data import read_text_file
-
-        texts = read_text_file(args.texts)
-    plan = calibrate(model, tok, texts, mlp_density=args.density, attn_density=args.attn_density,
-                     lookahead=False if args.no_lookahead else None, rank=args.rank, predictor=args.predictor, values=args.values,
-                     max_tokens=args.max_tokens, allocation=args.allocation,
-                     max_ppl_increase=args.max_ppl_increase)
-    plan.save(args.out)
-    print(plan.summary())
-    print(f"wrote {args.out} (MLP density {plan.mlp_density:.3f}, {plan.settings.get('total_s')} s)")
-    return 0

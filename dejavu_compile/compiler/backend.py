@@ -19,7 +19,10 @@ from dejavu_compile.errors import DejavuOptionError
 log = logging.getLogger("dejavu_compile")
 
 OPTION_DEFAULTS: dict[str, Any] = {
-    "plan": None,  # a SparsityPlan; None compiles dense (matching only, for reports)
+    "plan": None,  # a SparsityPlan; None compiles dense (matching only, for reports) unless mlp_density is set
+    # without a plan: the training-free int8 plan built from the weights, keeping this share of each
+    # gated MLP's neurons (passes/auto_plan.py)
+    "mlp_density": None,
     "inner": "inductor",  # "inductor" or "eager": what runs the rewritten graph
     "inductor_config": None,  # dict of Inductor config patches
     "max_batch": 8,  # decode batches above this stay dense
@@ -50,6 +53,7 @@ class BackendReport:
     extra_bytes: int = 0  # memory the compiled graph holds beyond the model's own: predictors, weight copies
     pass_counts: dict[str, int] = field(default_factory=dict)  # per pass run: what it did (passes/README.md)
     failed_pass: str | None = None  # the pass that raised, when one did
+    plan: Any = None  # the plan applied: option plan, or the training-free one option mlp_density built
 
 
 def validate_options(options: dict | None) -> dict:
@@ -69,6 +73,15 @@ def validate_options(options: dict | None) -> dict:
 
         if not isinstance(plan, SparsityPlan):
             raise DejavuOptionError(f"option 'plan' must be a dejavu_compile.SparsityPlan, got {type(plan).__name__}")
+    density = merged["mlp_density"]
+    if density is not None:
+        if plan is not None:
+            raise DejavuOptionError("options 'plan' and 'mlp_density' exclude each other: a plan fixes each layer's "
+                                    "density (calibrate(model, tokenizer, mlp_density=...)); mlp_density alone builds "
+                                    "the training-free plan from the weights")
+        if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
+            raise DejavuOptionError(f"option 'mlp_density' must be a number in (0, 1], the share of each MLP's "
+                                    f"neurons kept (e.g. 0.6), got {density!r}")
     if merged["cpu_lowering"] not in ("auto", "native", "op", "decomposed"):
         raise DejavuOptionError("option 'cpu_lowering' must be 'auto', 'native', 'op' or 'decomposed'")
     if merged["lowering"] is not None:
@@ -158,6 +171,7 @@ class DejavuBackend:
                         report.failed_pass or "?", report.graph_id, type(exc).__name__, exc)
             report.error = f"{type(exc).__name__}: {exc}"
             gm = original
+        report.plan = opts["plan"]
         report.graph = gm
         report.extra_bytes = sum(t.numel() * t.element_size() for t in gm.meta.get("dejavu_extra_inputs", ()))
         if opts["on_report"] is not None:

@@ -87,6 +87,11 @@ class AttentionBlock:
     tokens: int
     batch: int
     module: str = ""
+    # "alibi": the scores get an additive bias with one slice per query head (ALiBi: BLOOM, MPT,
+    # Falcon); heads stay independent, so dropping one drops its bias too. "none" otherwise.
+    position_bias: str = "none"
+    # FX nodes: "input", "core" (the attention output: (B, H, T, D), or (B * H, T, D) when eager
+    # attention folds the heads into the batch axis), "o_input", "output", "position_bias" (or None)...
     nodes: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     kind: str = "attention"
 

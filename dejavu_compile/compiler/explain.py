@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dejavu_compile.compiler.blocks import AttentionBlock, Block, MLPBlock
+from dejavu_compile.compiler.isolated import isolated_compile
 
 
 @dataclass
@@ -47,7 +48,9 @@ class ExplainReport:
             else:
                 key = (b.layer, "attention", b.q.name)
                 detail = (f"{b.num_heads}q/{b.num_kv_heads}kv heads x {b.head_dim} ({b.kv_sharing}), "
-                          f"{b.attention}, rotary={b.rotary}, cache={b.cache}; q={b.q.describe()} "
+                          f"{b.attention}, rotary={b.rotary}, cache={b.cache}"
+                          + (f", position bias={b.position_bias}" if b.position_bias != "none" else "")
+                          + f"; q={b.q.describe()} "
                           f"o={b.o.describe()}")
             if key in seen:
                 continue
@@ -80,8 +83,7 @@ def explain(model, *args, **kwargs) -> ExplainReport:
                 report.fallbacks.append(entry)
         return gm.forward
 
-    compiled = torch.compile(model, backend=capture, dynamic=False)
-    with torch.no_grad():
+    with isolated_compile(model, "dejavu_explain", backend=capture, dynamic=False) as compiled, torch.no_grad():
         compiled(*args, **kwargs)
     report.blocks.sort(key=lambda b: (b.layer, b.kind != "attention"))
     return report
@@ -89,8 +91,6 @@ def explain(model, *args, **kwargs) -> ExplainReport:
 
 def matched_blocks(model) -> list:
     """The blocks the backend matches in ``model``, traced once on two token ids (on the model's
-    device); Dynamo's caches are reset afterwards, so the trace leaves no graphs behind."""
+    device); the trace leaves no graphs behind (``isolated.isolated_compile``)."""
     device = next(model.parameters()).device
-    blocks = explain(model, torch.tensor([[1, 2]], device=device)).blocks
-    torch._dynamo.reset()
-    return blocks
+    return explain(model, torch.tensor([[1, 2]], device=device)).blocks

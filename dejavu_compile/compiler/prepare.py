@@ -12,7 +12,8 @@ def prepare_model(model, *example_args, **example_kwargs) -> list[str]:
 
     The sparse kernels read a neuron's down weights (a head's output weights) as contiguous rows of
     ``W^T``; with the parameter stored that way the compiled graph uses a free view instead of holding
-    a transposed copy. Dense ``F.linear`` reads the transposed storage just as fast. Call before compiling.
+    a transposed copy. Dense ``F.linear`` reads the transposed storage just as fast. Best called before
+    compiling; graphs compiled before recompile on their next call (Dynamo guards on the strides).
     Returns the names of the parameters re-laid out. Without example inputs, two token ids are used.
     """
     from dejavu_compile.compiler.explain import explain
@@ -33,6 +34,6 @@ def prepare_model(model, *example_args, **example_kwargs) -> list[str]:
         with torch.no_grad():
             param.data = param.data.t().contiguous().t()
         changed.append(ref.name)
-    torch._dynamo.reset()  # graphs traced before were specialised on the old strides
+    # Graphs compiled before need no reset: Dynamo guards on parameter strides and recompiles.
     return changed
 

@@ -13,20 +13,28 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
+from dejavu_compile.compiler.isolated import isolated_compile
+
 
 def perplexity(model, chunks: Iterable[torch.LongTensor], plan=None, progress: bool = False) -> float:
-    """Token-level perplexity of ``model`` on ``chunks`` ((1, T) ids each), dense or under ``plan``."""
-    forward = model
-    if plan is not None:
-        torch._dynamo.reset()
-        forward = torch.compile(model, backend="dejavu", dynamic=False,
-                                options={"plan": plan, "simulate": True, "inner": "eager", "strict": True})
+    """Token-level perplexity of ``model`` on ``chunks`` ((1, T) ids each), dense or under ``plan``.
+    The plan's compiled graphs are the evaluation's own (``compiler.isolated``): the user's compiled
+    functions and the model's recompile budget are left alone."""
     chunks = list(chunks)
+    if plan is None:
+        return _perplexity(model, chunks, "dense", progress)
+    options = {"plan": plan, "simulate": True, "inner": "eager", "strict": True}
+    with isolated_compile(model, "dejavu_perplexity_forward", backend="dejavu", dynamic=False,
+                          options=options) as forward:
+        return _perplexity(forward, chunks, "dejavu", progress)
+
+
+def _perplexity(forward, chunks: list, label: str, progress: bool) -> float:
     iterator = chunks
     if progress:
         from tqdm.auto import tqdm
 
-        iterator = tqdm(chunks, desc="perplexity" + (" (dejavu)" if plan is not None else " (dense)"), unit="chunk")
+        iterator = tqdm(chunks, desc=f"perplexity ({label})", unit="chunk")
     nll, count = 0.0, 0
     with torch.no_grad():
         for ids in iterator:
@@ -34,6 +42,4 @@ def perplexity(model, chunks: Iterable[torch.LongTensor], plan=None, progress: b
             target = ids[0, 1:]
             nll += F.cross_entropy(logits, target, reduction="sum").item()
             count += target.numel()
-    if plan is not None:
-        torch._dynamo.reset()
     return math.exp(nll / max(count, 1))

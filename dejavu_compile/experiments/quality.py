@@ -22,9 +22,9 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
+from dejavu_compile.calibration.collect import head_contributions
 from dejavu_compile.plan.predictors.baselines import cats_scores, teal_input_mask
 from dejavu_compile.plan.predictors.metrics import topk_mask
-from dejavu_compile.calibration.collect import head_contributions
 
 SIM_LABEL = "masked dense simulation"
 Selector = Callable[..., torch.Tensor | None]
@@ -230,9 +230,9 @@ class Harness(NamedTuple):
 
 
 def smollm2_harness(calib_tokens: int = 8192, eval_tokens: int = 2048, seq_len: int = 256) -> Harness:
-    from dejavu_compile.calibration.collect import collect
     from dejavu_compile.assets.data import news_texts, tokenize_chunks, wiki_articles
     from dejavu_compile.assets.models import load_smollm2
+    from dejavu_compile.calibration.collect import collect
 
     model, tok = load_smollm2()
     sets = {"wiki": tokenize_chunks(tok, wiki_articles("eval"), seq_len, eval_tokens),

@@ -38,8 +38,7 @@ from .attention import sparse_head_attention, sparse_head_attention_torch
 from .cpu import native as _native
 from .int8 import int8_linear
 from .mlp import sparse_gated_mlp, sparse_gated_mlp_torch, sparse_mlp, sparse_mlp_torch
-from .prepare import (prepare_attention_weights, prepare_gated_mlp_weights, prepare_mlp_weights,
-                      prepared_overhead)
+from .prepare import prepare_attention_weights, prepare_gated_mlp_weights, prepare_mlp_weights, prepared_overhead
 
 
 def cpu_ops_available() -> bool:

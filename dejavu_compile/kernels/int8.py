@@ -8,7 +8,9 @@ numbers. Without a C compiler it runs on FBGEMM's dynamic-quantization kernel (x
 bits; weight packed once per tensor), which streams the int8 weight at memory bandwidth, faster than
 an Inductor-generated loop or the fp32 weight. Either is approximate (the int8 weights' rounding),
 which is what a predictor needs: its top-k selection is what matters, not the scores' last bits.
-Elsewhere (CUDA, other dtypes) the op is the plain matmul on the dequantized weight.
+A bf16 or fp16 x on CPU goes through the C kernel too (cast to fp32; the result in x's dtype).
+Elsewhere (CUDA, float64, no C compiler with a half dtype) the op is the plain matmul on the
+dequantized weight.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from torch import Tensor
 from .cpu import native
 
 _PACKED: dict[int, tuple] = {}  # id(w_int8) -> (weakref to w, version, id(scale), packed params)
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # x dtypes the C kernel takes (through fp32)
 _FBGEMM = any(e in torch.backends.quantized.supported_engines for e in ("x86", "fbgemm"))
 
 
@@ -58,11 +61,13 @@ def _check(x: Tensor, w_int8: Tensor, scale: Tensor) -> None:
 @torch.library.custom_op("dejavu::int8_linear", mutates_args=())
 def int8_linear(x: Tensor, w_int8: Tensor, scale: Tensor) -> Tensor:
     """(B, d) x (n, d) int8 with per-row scales (n,) -> (B, n) in x's dtype, approximately
-    ``x @ (w_int8 * scale[:, None]).T`` (FBGEMM on CPU fp32; exact dequantized matmul elsewhere)."""
+    ``x @ (w_int8 * scale[:, None]).T`` (the C kernel on CPU fp32/bf16/fp16, FBGEMM on CPU fp32
+    without it; exact dequantized matmul elsewhere)."""
     _check(x, w_int8, scale)
-    if (x.device.type == "cpu" and x.dtype == torch.float32 and w_int8.is_contiguous() and scale.is_contiguous()
+    if (x.device.type == "cpu" and x.dtype in _NATIVE_DTYPES and w_int8.is_contiguous() and scale.is_contiguous()
             and scale.dtype == torch.float32 and native.available()):
-        return native.int8_linear_f32(x, w_int8, scale)
+        # bf16/fp16 x is exact in fp32: the C kernel's arithmetic, rounded to x's dtype at the end
+        return native.int8_linear_f32(x.float(), w_int8, scale).to(x.dtype)
     if x.device.type == "cpu" and x.dtype == torch.float32 and _FBGEMM:
         packed = _packed(w_int8, scale)
         if packed is not None:

@@ -7,6 +7,12 @@ On disk (a directory):
 `plan.check(model)` raises ValueError listing what differs between the plan's model and `model`.
 Plans of format version 1 (tensors "A", "B", "a", "b" and a "nonlinearity") load converted.
 
+The fingerprint holds a weight sample (format 3): a few fp32 values of every parameter at positions
+derived from its name. `sample_differences` compares it with a model's parameters within the
+precision of the coarser dtype, so a bf16 or fp16 cast of the calibrated checkpoint passes and
+another checkpoint (a fine-tune) does not; the backend runs the same comparison (compiler pass
+`weights_check`). Plans of formats 1 and 2 have no sample: `check` compares the weights hash.
+
 An entry's `predictor` names a kind in the table of `dejavu_compile.plan.predictors`, which says
 what its tensors are and how they score; None means no predictor (the entry keeps everything).
 
@@ -28,10 +34,12 @@ from typing import Any
 
 import torch
 
+from dejavu_compile.errors import PlanMismatchError
 from dejavu_compile.plan import predictors
 from dejavu_compile.plan.predictors.registry import PredictorKind
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: the fingerprint holds a weight sample; 1 and 2 load without one
+READABLE_VERSIONS = (1, 2, 3)
 KINDS = ("mlp", "attention")
 VALUES = ("exact", "predictor")
 # Format 1 named the predictor by its nonlinearity; its tensors A/B/a/b map through each kind's v1_names.
@@ -117,7 +125,112 @@ def model_fingerprint(model) -> dict[str, Any]:
         h.update(name.encode())
         h.update(flat[::step].numpy().tobytes())
     shape_hash = hashlib.sha256(json.dumps(shapes, sort_keys=True).encode()).hexdigest()[:16]
-    return {"architecture": arch, "shapes_hash": shape_hash, "weights_hash": h.hexdigest()[:16], "num_tensors": len(shapes)}
+    return {"architecture": arch, "shapes_hash": shape_hash, "weights_hash": h.hexdigest()[:16], "num_tensors": len(shapes),
+            "weight_sample": weight_sample(model.named_parameters(remove_duplicate=False))}
+
+
+SAMPLE_PER_PARAMETER = 16
+SAMPLE_AGREEMENT = 0.75  # share of a parameter's sampled values that must agree for "same weights"
+
+
+def sample_positions(name: str, shape) -> list[tuple[int, ...]]:
+    """Where a parameter is sampled: indices derived from its name (sha256, the same on every
+    platform and torch version), SAMPLE_PER_PARAMETER of them (every element of a smaller tensor)."""
+    numel = math.prod(shape)
+    if numel <= SAMPLE_PER_PARAMETER:
+        flat = list(range(numel))
+    else:
+        flat = [int.from_bytes(hashlib.sha256(f"{name}:{i}".encode()).digest()[:8], "little") % numel
+                for i in range(SAMPLE_PER_PARAMETER)]
+    out = []
+    for f in flat:  # row-major logical index: independent of strides (prepare_model re-lays out in place)
+        index = []
+        for size in reversed(tuple(shape)):
+            index.append(f % size)
+            f //= size
+        out.append(tuple(reversed(index)))
+    return out
+
+
+def sampled_values(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of `tensor` at `sample_positions(name, ...)` (reads a few elements, no copy)."""
+    positions = sample_positions(name, tensor.shape)
+    t = tensor.detach()
+    if not positions:
+        return torch.zeros(0)
+    if t.dim() == 0:
+        return t.reshape(1).float().cpu()
+    index = tuple(torch.tensor(axis, device=t.device) for axis in zip(*positions))
+    return t[index].float().cpu()
+
+
+def weight_sample(named_tensors) -> dict[str, Any]:
+    """The fingerprint's weight sample of (name, tensor) pairs: fp32 values and each tensor's dtype."""
+    values, dtypes = {}, {}
+    for name, tensor in named_tensors:
+        if tensor.device.type == "meta" or name in values:
+            continue
+        values[name] = sampled_values(name, tensor).tolist()
+        dtypes[name] = str(tensor.dtype).removeprefix("torch.")
+    return {"per_parameter": SAMPLE_PER_PARAMETER, "values": values, "dtypes": dtypes}
+
+
+def sample_name(sample: dict[str, Any], name: str) -> str | None:
+    """The sample's name for a parameter path, which may carry a prefix (a compiled wrapper's
+    attribute path, e.g. ``self.model.layers.0...``): the longest dotted suffix the sample holds."""
+    values = sample["values"]
+    parts = name.split(".")
+    for start in range(len(parts)):
+        candidate = ".".join(parts[start:])
+        if candidate in values:
+            return candidate
+    return None
+
+
+def same_weights(sample: dict[str, Any], name: str, tensor: torch.Tensor) -> bool:
+    """Whether `tensor` holds the sampled parameter `name`'s values, up to the precision of the
+    coarser of its dtype and the sampled one: at least SAMPLE_AGREEMENT of the values agree."""
+    want = torch.tensor(sample["values"][name], dtype=torch.float32)
+    got = sampled_values(name, tensor)
+    if want.shape != got.shape:
+        return False
+    if want.numel() == 0:
+        return True
+    coarse = _coarser(getattr(torch, sample["dtypes"].get(name, "float32"), torch.float32), tensor.dtype)
+    if coarse.is_floating_point:
+        info = torch.finfo(coarse)
+        # one eps relative: twice the rounding of a cast; subnormals: the coarse dtype's spacing there
+        agree = torch.isclose(got, want, rtol=info.eps, atol=info.smallest_normal * info.eps, equal_nan=True)
+    else:
+        agree = got == want
+    return agree.float().mean().item() >= SAMPLE_AGREEMENT
+
+
+def sample_differences(sample: dict[str, Any], named_tensors) -> tuple[list[str], int]:
+    """(names of the parameters whose values differ from the sample's, parameters compared).
+    Parameters the sample does not hold are not compared."""
+    differ, compared = [], 0
+    for name, tensor in named_tensors:
+        key = sample_name(sample, name)
+        if key is None or tensor.device.type == "meta":
+            continue
+        compared += 1
+        if not same_weights(sample, key, tensor):
+            differ.append(key)
+    return differ, compared
+
+
+def describe_weight_differences(differ: list[str], compared: int) -> str:
+    shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+    return (f"weights differ from the ones the plan was calibrated on in {len(differ)} of {compared} parameters "
+            f"({shown}): same architecture but other weights (a fine-tune or another checkpoint); recalibrate "
+            "on this model")
+
+
+def _coarser(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    if not (a.is_floating_point and b.is_floating_point):
+        return a if not a.is_floating_point else b
+    return a if torch.finfo(a).eps >= torch.finfo(b).eps else b
 
 
 @dataclass(eq=False)
@@ -169,8 +282,15 @@ class SparsityPlan:
         return "\n".join(lines)
 
     # ---------------------------------------------------------------- model binding
+    @property
+    def weight_sample(self) -> dict[str, Any] | None:
+        """The sampled weights of the model the plan was made for (None in plans of formats 1 and 2)."""
+        sample = self.fingerprint.get("weight_sample")
+        return sample if isinstance(sample, dict) and isinstance(sample.get("values"), dict) else None
+
     def check(self, model) -> None:
-        """Raise ValueError saying what differs when `model` is not the model this plan was made for."""
+        """Raise ValueError saying what differs when `model` is not the model this plan was made for.
+        A dtype cast of the same weights (bf16, fp16) is the same model."""
         fp = model_fingerprint(model)
         diffs = []
         for key, want in self.fingerprint.get("architecture", {}).items():
@@ -179,13 +299,18 @@ class SparsityPlan:
                 diffs.append(f"{key}: plan has {want}, model has {got}")
         if not diffs and fp["shapes_hash"] != self.fingerprint.get("shapes_hash"):
             diffs.append("parameter names/shapes differ")
-        if not diffs and fp["weights_hash"] != self.fingerprint.get("weights_hash"):
+        sample = self.weight_sample
+        if not diffs and sample is not None:
+            differ, compared = sample_differences(sample, model.named_parameters(remove_duplicate=False))
+            if differ:
+                diffs.append(describe_weight_differences(differ, compared))
+        elif not diffs and fp["weights_hash"] != self.fingerprint.get("weights_hash"):  # formats 1, 2
             diffs.append(
                 f"weights differ (hash {self.fingerprint.get('weights_hash')} in plan vs {fp['weights_hash']}): "
                 "same architecture but other weights (a fine-tune or another checkpoint); recalibrate"
             )
         if diffs:
-            raise ValueError("SparsityPlan does not match this model: " + "; ".join(diffs))
+            raise PlanMismatchError("SparsityPlan does not match this model: " + "; ".join(diffs))
 
     # ---------------------------------------------------------------- persistence
     def save(self, directory) -> Path:
@@ -227,7 +352,7 @@ class SparsityPlan:
         if isinstance(version, int) and version > FORMAT_VERSION:
             raise ValueError(f"{meta_path} has plan format version {version}, newer than this code reads "
                              f"(1 to {FORMAT_VERSION}): update dejavu-compile or recalibrate")
-        if version not in (1, FORMAT_VERSION):
+        if version not in READABLE_VERSIONS:
             raise ValueError(f"{meta_path} has unknown plan format version {version!r} (this code reads 1 to {FORMAT_VERSION})")
         records = meta.get("entries")
         if not isinstance(records, list):
@@ -261,7 +386,9 @@ class SparsityPlan:
                 raise ValueError(f"{meta_path} is corrupt: bad entry ({err})") from err
             _validate_entry(e)
             entries[(layer, kind)] = e
-        plan = cls(entries, meta.get("fingerprint", {}), meta.get("settings", {}))
+        fingerprint = meta.get("fingerprint", {})
+        _validate_weight_sample(fingerprint, meta_path)
+        plan = cls(entries, fingerprint, meta.get("settings", {}))
         if model is not None:
             plan.check(model)
         return plan
@@ -303,6 +430,16 @@ def _validate_entry(e: PlanEntry) -> None:
         kind.validate(e.tensors, e.total)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
+
+
+def _validate_weight_sample(fingerprint, meta_path) -> None:
+    sample = fingerprint.get("weight_sample") if isinstance(fingerprint, dict) else None
+    if sample is None:
+        return
+    values = sample.get("values") if isinstance(sample, dict) else None
+    if not (isinstance(values, dict) and isinstance(sample.get("dtypes", {}), dict)
+            and all(isinstance(v, list) and all(isinstance(x, (int, float)) for x in v) for v in values.values())):
+        raise ValueError(f"{meta_path} is corrupt: bad weight sample in the fingerprint")
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:

@@ -19,6 +19,24 @@ Built-in entries:
   the Triton interpreter (``TRITON_INTERPRET=1``) and ``inner="eager"`` only (a check of the
   kernels inside a whole model, not a fast path).
 
+By model dtype, with ``cpu_lowering="auto"`` (the C++ ops are fp32 only; nothing is cast to
+fp32 but the int8 predictor's input):
+
+============  ===================================  ============================================
+model dtype   sparse MLP (CPU)                     int8 predictor (scores in fp32 on any dtype)
+============  ===================================  ============================================
+fp32          ``native`` (C++ ops), else           fused with top-k (``cpu_glu_int8_topk``), and
+              ``decomposed`` (Inductor) / ``op``   with the block for values "predictor"
+              (eager)                              (``cpu_glu_int8_mlp``)
+bf16, fp16    ``decomposed`` (Inductor) / ``op``   input cast to fp32, fused with top-k
+              (eager): aten in the model's dtype   (``cpu_glu_int8_topk``); values "predictor":
+                                                   ``int8_linear`` (C kernel), aten top-k, the
+                                                   kept values cast to the model's dtype
+============  ===================================  ============================================
+
+On CUDA every dtype takes ``triton`` (the custom ops' fp16/bf16/fp32 Triton kernels). Dense
+layers, attention and everything outside the sparse blocks stay in the model's dtype.
+
 The choice (:func:`choose_lowering`) keeps the ``cpu_lowering`` option's meaning: "auto" takes the C++
 ops where they build and apply, else the decomposed form under Inductor (the custom op's Python
 call per layer would cost more than it saves) and the custom op under eager; the ``lowering``
@@ -76,10 +94,12 @@ class KernelLowering:
     # (gm, graph, block, entry, x2d, w_down_t, b_down, prefix, device) -> (output node, predictor node)
     emit_int8_values_mlp: Optional[Callable] = None
 
-    def applies(self, opts: dict, weight: Optional[torch.Tensor], rows_contiguous: bool = True) -> bool:
-        """Whether this lowering can take a block whose up weight is ``weight`` (its example value)."""
+    def applies(self, opts: dict, weight: Optional[torch.Tensor], rows_contiguous: bool = True,
+                dtype: Optional[torch.dtype] = None) -> bool:
+        """Whether this lowering can take a block whose up weight is ``weight`` (its example value),
+        computing in ``dtype`` (default: the weight's)."""
         device = weight.device.type if weight is not None else "cpu"
-        dtype = weight.dtype if weight is not None else torch.float32
+        dtype = dtype or (weight.dtype if weight is not None else torch.float32)
         return (device in self.device_types and (self.dtypes is None or dtype in self.dtypes)
                 and (rows_contiguous or not self.needs_contiguous_rows) and self.is_available(opts, device))
 
@@ -118,17 +138,19 @@ def preference(opts: dict) -> tuple[str, ...]:
     return ("triton", choice, "op")
 
 
-def choose_lowering(opts: dict, weight: Optional[torch.Tensor], rows_contiguous: bool = True) -> KernelLowering:
-    """The kernel lowering for a sparse MLP whose up weight is ``weight`` (see :func:`preference`)."""
+def choose_lowering(opts: dict, weight: Optional[torch.Tensor], rows_contiguous: bool = True,
+                    dtype: Optional[torch.dtype] = None) -> KernelLowering:
+    """The kernel lowering for a sparse MLP whose up weight is ``weight`` (see :func:`preference`);
+    ``dtype`` overrides the weight's (the int8 predictor computes in fp32 in a model of any dtype)."""
     names = preference(opts)
     for name in names:
         lowering = lowering_named(name)
-        if lowering.applies(opts, weight, rows_contiguous):
+        if lowering.applies(opts, weight, rows_contiguous, dtype):
             return lowering
     device = weight.device.type if weight is not None else "cpu"
+    dtype = dtype or (weight.dtype if weight is not None else torch.float32)
     raise DejavuOptionError(f"kernel lowering {names[0]!r} cannot run here (device {device}, "
-                            f"inner={opts.get('inner', 'inductor')!r}, dtype "
-                            f"{weight.dtype if weight is not None else torch.float32})")
+                            f"inner={opts.get('inner', 'inductor')!r}, dtype {dtype})")
 
 
 def cpu_lowering(opts, weight, rows_contiguous: bool = True) -> str | None:

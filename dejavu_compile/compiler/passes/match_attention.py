@@ -40,41 +40,96 @@ def _arg(node: fx.Node, index: int, name: str):
 
 
 def attention_core(node: fx.Node):
-    """(q, k, v, kind) when ``node`` computes attention, else None."""
+    """(q, k, v, kind, position bias or None) when ``node`` computes attention, else None.
+
+    q, k and v are (batch, heads, tokens, head_dim) tensors. Eager attention may fold the heads into
+    the batch axis (BLOOM: ``bmm`` over (batch * heads, tokens, head_dim)); the folding reshapes are
+    looked through, and the core's output keeps its folded shape.
+    """
     if node.op == "call_function" and node.target in SDPA:
-        return _arg(node, 0, "query"), _arg(node, 1, "key"), _arg(node, 2, "value"), "sdpa"
+        q, k, v = _arg(node, 0, "query"), _arg(node, 1, "key"), _arg(node, 2, "value")
+        return q, k, v, "sdpa", _per_head_bias(_arg(node, 3, "attn_mask"), shape_of(q))
     if not (node.op == "call_function" and node.target in MATMUL) or len(node.args) != 2:
         return None
     probs, value = node.args
     cur = probs
-    while isinstance(cur, fx.Node) and (cur.target in _PASS_THROUGH or
-                                        is_op(cur, methods={"to", "float", "type", "type_as", "contiguous"})):
+    while isinstance(cur, fx.Node) and (cur.target in _PASS_THROUGH or is_op(
+            cur, methods={"to", "float", "type", "type_as", "contiguous", "view", "reshape"})):
         cur = cur.args[0]
     if not (isinstance(cur, fx.Node) and (cur.target in SOFTMAX_F or is_op(cur, methods={"softmax"}))):
         return None
-    # Scores: walk back from the softmax input through scale, mask and casts to q @ k^T.
-    stack, seen, scores = [cur.args[0]], set(), []
+    # Scores: walk back from the softmax input through scale, mask, bias and casts to q @ k^T
+    # (or baddbmm(bias, q, k^T): BLOOM's ALiBi folded into the product).
+    stack, seen, scores, addends = [cur.args[0]], set(), [], []
     while stack:
         n = stack.pop()
         if not isinstance(n, fx.Node) or n in seen:
             continue
         seen.add(n)
         if n.op == "call_function" and n.target in MATMUL:
-            scores.append(n)
+            scores.append((n, n.args[0], n.args[1]))
+        elif is_op(n, {torch.baddbmm}, {"baddbmm"}):
+            batch1 = n.kwargs.get("batch1", n.args[1] if len(n.args) > 1 else None)
+            batch2 = n.kwargs.get("batch2", n.args[2] if len(n.args) > 2 else None)
+            scores.append((n, batch1, batch2))
+            addends.append(n.kwargs.get("input", n.args[0]))
         elif n.op in ("call_function", "call_method") and (
-                is_op(n, {operator.mul, operator.truediv, operator.add, torch.mul, torch.add, torch.div,
-                          torch.tanh, torch.where, torch.clamp},
-                      {"to", "float", "masked_fill", "mul", "div", "add", "tanh", "type_as"})):
+                is_op(n, {operator.mul, operator.truediv, operator.add, operator.imul, operator.itruediv,
+                          operator.iadd, torch.mul, torch.add, torch.div, torch.tanh, torch.where, torch.clamp},
+                      {"to", "float", "masked_fill", "mul", "div", "add", "tanh", "type_as", "view", "reshape"})):
             stack.extend(n.all_input_nodes)
+            if is_op(n, {operator.add, operator.iadd, torch.add}, {"add"}):
+                addends.extend(n.all_input_nodes)
     if len(scores) != 1:
         return None
-    query, key_t = scores[0].args
-    if not is_op(key_t, {torch.transpose}, {"transpose"}):
+    product, query, key_t = scores[0]
+    downstream, stack = set(), [product]  # the scores themselves, on their way to the softmax
+    while stack:
+        n = stack.pop()
+        if n not in downstream:
+            downstream.add(n)
+            stack.extend(u for u in n.users if u in seen)
+    addends = [a for a in addends if a not in downstream]
+    if not isinstance(key_t, fx.Node) or not is_op(key_t, {torch.transpose}, {"transpose"}):
         return None
-    dims = {d % 4 for d in key_t.args[1:3]}
-    if dims != {2, 3}:
+    rank = len(shape_of(key_t) or ())
+    if rank not in (3, 4) or {d % rank for d in key_t.args[1:3]} != {rank - 2, rank - 1}:
         return None
-    return query, key_t.args[0], value, "eager"
+    query, key, value = (_unfold_heads(t) for t in (query, key_t.args[0], value))
+    if any(t is None for t in (query, key, value)):
+        return None
+    q_shape = shape_of(query)
+    bias = next((b for b in (_per_head_bias(a, q_shape) for a in addends) if b is not None), None)
+    return query, key, value, "eager", bias
+
+
+def _unfold_heads(node):
+    """The (batch, heads, tokens, head_dim) tensor behind ``node``: itself when 4-D, the input of the
+    reshape that folded its heads into the batch axis when 3-D, else None."""
+    shape = shape_of(node)
+    if shape is not None and len(shape) == 4:
+        return node
+    if shape is None or len(shape) != 3 or not is_op(node, {torch.reshape}, {"reshape", "view"}):
+        return None
+    source = node.args[0]
+    inner = shape_of(source)
+    if inner is None or len(inner) != 4 or inner[0] * inner[1] != shape[0] or tuple(inner[2:]) != tuple(shape[1:]):
+        return None
+    return source
+
+
+def _per_head_bias(node, q_shape):
+    """``node`` when it is an additive score term with one slice per query head (ALiBi's slopes):
+    (batch * heads, ...) or (..., heads, tokens, keys), as opposed to a mask shared by the heads."""
+    shape = shape_of(node) if isinstance(node, fx.Node) else None
+    if not shape or q_shape is None or len(q_shape) != 4 or q_shape[1] == 1:
+        return None
+    batch, heads = q_shape[:2]
+    if len(shape) == 3 and shape[0] in (batch * heads, heads):
+        return node
+    if len(shape) == 4 and shape[1] == heads:
+        return node
+    return None
 
 
 def frontier_linears(graph: nx.DiGraph, node: fx.Node, linears: dict[fx.Node, LinearCall]):
@@ -242,7 +297,7 @@ class AttentionRule:
 
     def _match_core(self, ctx, graph, node, core, linears_by_input):
         """The attention block around the SDPA call ``node``, or None (reason recorded as a fallback)."""
-        q, k, v, kind = core
+        q, k, v, kind, position_bias = core
         where = location(node)
         q_shape = shape_of(q)
         if q_shape is None or len(q_shape) != 4:
@@ -283,6 +338,7 @@ class AttentionRule:
             qk_norm=_qk_norm(graph, q_lin, q_heads, head_dim),
             cache=_cache_kind(graph, roles["k"][2], k),
             attention=kind,
+            position_bias="none" if position_bias is None else "alibi",
             kv_sharing="mha" if num_kv == num_heads else ("mqa" if num_kv == 1 else "gqa"),
             decode=tokens == 1,
             tokens=tokens,
@@ -291,7 +347,7 @@ class AttentionRule:
             nodes={"input": next(iter(inputs)), "core": node, "output": o_lin.out, "o": o_lin.call,
                    "o_input": o_input, "q": roles["q"][0].call, "k": roles["k"][0].call, "v": roles["v"][0].call,
                    "q_out": q_lin.out, "q_x": q_lin.x, "head_rows": {r: rows for r, (_, rows, _) in roles.items()},
-                   "q_heads": q_heads},
+                   "q_heads": q_heads, "position_bias": position_bias},
         )
         ctx.claim(o_lin.call, block, [node])
         return block
@@ -320,7 +376,11 @@ def _heads_in_order_reason(node, chain, o_input, num_heads, tokens, head_dim) ->
     """Why the output projection does not read the heads as (tokens, heads * head_dim) in order
     (the reshape chain is run on position ids), or None."""
     ids = torch.arange(num_heads * tokens * head_dim, dtype=torch.float64)
-    ids = ids.view(tokens, num_heads, head_dim).transpose(0, 1)[None].expand(shape_of(node)[0], -1, -1, -1)
+    core_shape = shape_of(node)
+    batch = core_shape[0] // num_heads if len(core_shape) == 3 else core_shape[0]  # heads folded into batch
+    ids = ids.view(tokens, num_heads, head_dim).transpose(0, 1)[None].expand(batch, -1, -1, -1)
+    if len(core_shape) == 3:
+        ids = ids.reshape(core_shape)
     try:
         o_in = evaluate(chain, {node: ids})[o_input] if chain else ids
     except Exception as exc:

@@ -175,11 +175,11 @@ class MLPRule:
         """Which known activation the region computes, found by running it on probe values:
         act(up) for one leaf, act(gate) * up for two (either order). Returns (activation, gate leaf
         or None, up leaf), or None when no activation fits."""
-        torch.manual_seed(0)
+        generator = torch.Generator().manual_seed(0)  # its own: the user's global RNG stays untouched
         n = 4096
         probes = [torch.cat([torch.linspace(-8, 8, n // 2, dtype=torch.float64),
-                             torch.randn(n // 2, dtype=torch.float64) * 3]) for _ in leaf_nodes]
-        probes[-1] = probes[-1][torch.randperm(n)]
+                             torch.randn(n // 2, dtype=torch.float64, generator=generator) * 3]) for _ in leaf_nodes]
+        probes[-1] = probes[-1][torch.randperm(n, generator=generator)]
         value = _probe(region, dict(zip(leaf_nodes, probes)))
         if len(leaf_nodes) == 1:
             for name, act in self.activations.items():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 
+from dejavu_compile import activations
 from dejavu_compile.compiler.blocks import MLPBlock
 from dejavu_compile.compiler.passes.graph_utils import shape_of
 from dejavu_compile.errors import PlanMismatchError
@@ -27,8 +28,14 @@ def check_plan_against_blocks(plan, blocks) -> None:
         if predictor is not None:
             width = block.hidden_size if mlp else (shape_of(block.nodes.get("input")) or [None])[-1]
             reason = predictor.fits_block(entry.tensors, block.gated if mlp else None, width)
+            if reason is None and not mlp and predictor.needs_gate:
+                reason = f"predictor {entry.predictor!r} models a gated MLP, not attention heads"
             if reason is not None:
                 problems.append(f"layer {layer} {kind}: {reason}")
+            if mlp and not entry.dense:
+                reason = _activation_mismatch(entry, block)
+                if reason is not None:
+                    problems.append(f"layer {layer} {kind}: {reason}")
             if entry.values == "predictor" and not entry.dense and not predictor.gives_values:
                 problems.append(f"layer {layer} {kind}: values 'predictor' needs the int8 gate/up predictor (a kind "
                                 f"that gives the neurons' values), the entry has {entry.predictor!r}")
@@ -40,3 +47,22 @@ def check_plan_against_blocks(plan, blocks) -> None:
         problems.append("no layer of the model has a plan entry")
     if problems:
         raise PlanMismatchError("sparsity plan does not fit this model: " + "; ".join(problems[:6]))
+
+
+def _activation_mismatch(entry, block: MLPBlock) -> str | None:
+    """Why the entry's activation cannot serve the block, or None. Only gate/up kinds compute with it
+    (their scores, and the kept neurons' values with values "predictor"); a wrong one silently picks
+    and weights the wrong neurons."""
+    if not entry.predictor_kind.needs_gate:
+        return None
+    try:
+        planned = activations.canonical(entry.activation)
+    except ValueError:
+        return f"plan activation {entry.activation!r} is unknown, the block's is {block.activation!r}"
+    try:
+        matched = activations.canonical(block.activation)
+    except ValueError:  # a user rule's own activation: only its exact name fits
+        matched = block.activation
+    if planned != matched:
+        return f"plan activation {entry.activation!r} but the block computes {block.activation!r}"
+    return None

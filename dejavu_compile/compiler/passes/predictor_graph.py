@@ -23,8 +23,18 @@ def predictor_constants(gm, graph, entry, prefix: str, dtype, device) -> tuple[d
     return nodes, options
 
 
+def predictor_input(graph, entry, x2d: fx.Node, dtype) -> tuple[fx.Node, torch.dtype]:
+    """The (B, d) input the entry's predictor reads and the dtype it computes in: quantized kinds
+    score in fp32 whatever the model's dtype (as calibration and ``PredictorKind.scores`` do, so
+    the compiled graph selects the neurons the plan was measured with); others in the model's."""
+    if entry.predictor_kind.quantized and dtype != torch.float32:  # None (unknown): cast, free when fp32
+        return graph.call_method("to", (x2d, torch.float32)), torch.float32
+    return x2d, dtype
+
+
 def emit_scores(gm, graph, entry, x2d: fx.Node, prefix: str, dtype, device) -> fx.Node:
-    """(B, total) scores of the entry's predictor from a (B, d) input."""
+    """(B, total) scores of the entry's predictor from a (B, d) input of a model in `dtype`."""
+    x2d, dtype = predictor_input(graph, entry, x2d, dtype)
     nodes, options = predictor_constants(gm, graph, entry, prefix, dtype, device)
     return graph.call_function(entry.predictor_kind.graph_scores, (x2d,), {**nodes, **options})
 
@@ -39,16 +49,19 @@ def int8_constants(gm, graph, entry, prefix: str, device) -> tuple[fx.Node, fx.N
 
 def emit_values(gm, graph, entry, x2d: fx.Node, prefix: str, dtype, device) -> fx.Node:
     """(B, F) signed act(g~) * u~ of an entry whose kind ``gives_values``: its scores' magnitude, and
-    the kept neurons' values when the entry's values are "predictor"."""
+    the kept neurons' values when the entry's values are "predictor" (fp32 for the quantized
+    kinds, see ``predictor_input``: the caller casts the kept values to the model's dtype)."""
     kind = entry.predictor_kind
+    x2d, dtype = predictor_input(graph, entry, x2d, dtype)
     nodes, options = predictor_constants(gm, graph, entry, prefix, dtype, device)
     return graph.call_function(kind.graph_values, (x2d,), {**nodes, **options})
 
 
-def emit_int8_selection(gm, graph, block: MLPBlock, entry, x2d: fx.Node, prefix: str, device):
-    """For values "predictor" entries off the fused op: the predictor's signed values (B, F) and the
-    ids of the k largest in magnitude (B, k), the values node tagged as the predictor."""
-    estimate = emit_values(gm, graph, entry, x2d, prefix, torch.float32, device)
+def emit_int8_selection(gm, graph, block: MLPBlock, entry, x2d: fx.Node, prefix: str, device, dtype=None):
+    """For values "predictor" entries off the fused op: the predictor's signed fp32 values (B, F) and
+    the ids of the k largest in magnitude (B, k), the values node tagged as the predictor. `dtype`:
+    the model's (None: unknown)."""
+    estimate = emit_values(gm, graph, entry, x2d, prefix, dtype, device)
     estimate.meta["dejavu"] = {"role": "predictor", "layer": block.layer, "kind": "mlp",
                                "reads": block.nodes["input"].name, "lookahead": False}
     top = graph.call_function(torch.topk, (graph.call_function(torch.abs, (estimate,)), entry.k),

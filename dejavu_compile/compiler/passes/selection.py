@@ -11,7 +11,7 @@ from dejavu_compile.compiler.blocks import MLPBlock
 from dejavu_compile.compiler.passes.graph_build import value_device
 from dejavu_compile.compiler.passes.graph_utils import shape_of
 from dejavu_compile.compiler.passes.lowering import choose_lowering
-from dejavu_compile.compiler.passes.predictor_graph import emit_scores
+from dejavu_compile.compiler.passes.predictor_graph import emit_scores, predictor_input
 
 log = logging.getLogger("dejavu_compile")
 
@@ -42,7 +42,8 @@ def previous_input(block: MLPBlock, ordered_blocks) -> fx.Node:
 def insert_selection(gm, graph, block, entry, ordered, values, opts=None):
     """Predictor and top-k, right after the input they read (as early as their inputs allow).
     The int8 predictor is one op that scores and selects where the kernel lowering has one
-    (``emit_int8_topk``: the C++ op ``cpu_glu_int8_topk`` on CPU fp32).
+    (``emit_int8_topk``: the C++ op ``cpu_glu_int8_topk`` on CPU, fp32 input: in a bf16 or fp16
+    model the predictor's input is cast to fp32 first).
 
     Returns (flat (tokens, k) neuron or head ids, the node the predictor reads)."""
     x = block.nodes["input"]
@@ -52,12 +53,16 @@ def insert_selection(gm, graph, block, entry, ordered, values, opts=None):
     device = value_device(values, weight_node)
     source = previous_input(block, ordered) if entry.lookahead else x
     prefix = f"dejavu_L{block.layer}_{block.kind}"
-    lowering = choose_lowering(opts, weight_value) if opts is not None else None
-    fused = entry.predictor_kind.int8_rows and lowering is not None and lowering.emit_int8_topk is not None
+    kind = entry.predictor_kind
+    # quantized predictors compute in fp32 in a model of any dtype, so their fused op applies to all
+    lowering = (choose_lowering(opts, weight_value, dtype=torch.float32 if kind.quantized else None)
+                if opts is not None else None)
+    fused = kind.int8_rows and lowering is not None and lowering.emit_int8_topk is not None
     with graph.inserting_before(source.next):
         flat_source = graph.call_method("reshape", (source, -1, shape_of(source)[-1]))
         if fused:
-            scores = idx = lowering.emit_int8_topk(gm, graph, entry, flat_source, prefix, device)
+            x_fp32, _ = predictor_input(graph, entry, flat_source, dtype)
+            scores = idx = lowering.emit_int8_topk(gm, graph, entry, x_fp32, prefix, device)
         else:
             scores = emit_scores(gm, graph, entry, flat_source, prefix, dtype, device)
             top = graph.call_function(torch.topk, (scores, entry.k), {"dim": -1, "sorted": False})

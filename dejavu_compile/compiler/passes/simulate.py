@@ -69,13 +69,17 @@ def simulate_attention(gm, graph, block: AttentionBlock, entry, ordered, values,
     """Masked simulation: the unselected heads' attention outputs are zeroed before the output
     projection (exact per token, any number of tokens; reads every weight)."""
     idx, _ = insert_selection(gm, graph, block, entry, ordered, values)
-    core = block.nodes["core"]  # (B, H, T, D)
+    core = block.nodes["core"]  # (B, H, T, D), or (B * H, T, D) with the heads folded into the batch axis
+    folded = len(shape_of(core)) == 3
     users = list(core.users)
     with graph.inserting_before(core.next):
         scores = idx.args[0].args[0]  # idx = topk(scores, k)[1]
         mask = graph.call_function(torch.scatter, (graph.call_function(torch.zeros_like, (scores,)), -1, idx, 1.0))
-        mask = graph.call_method("reshape", (mask, emit_size(graph, core, 0), emit_size(graph, core, 2), block.num_heads))
-        mask = graph.call_method("unsqueeze", (graph.call_method("permute", (mask, 0, 2, 1)), -1))
+        tokens = emit_size(graph, core, 1 if folded else 2)
+        mask = graph.call_method("reshape", (mask, -1, tokens, block.num_heads))  # (B, T, H)
+        mask = graph.call_method("unsqueeze", (graph.call_method("permute", (mask, 0, 2, 1)), -1))  # (B, H, T, 1)
+        if folded:
+            mask = graph.call_method("flatten", (mask, 0, 1))  # (B * H, T, 1), BLOOM's order
         masked = graph.call_function(operator.mul, (core, graph.call_method("type_as", (mask, core))))
     core.replace_all_uses_with(masked, delete_user_cb=lambda user: user in users)
     report.rewritten.append(f"layer {block.layer} attention: masked simulation, {entry.k}/{entry.total} heads")

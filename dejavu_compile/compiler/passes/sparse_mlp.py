@@ -100,9 +100,9 @@ def _replace_block(graph, block: MLPBlock, out: fx.Node) -> None:
 def rewrite_mlp_from_predictor(gm, graph, block: MLPBlock, entry, values, report, opts) -> None:
     """The block from its int8 predictor's values (entry.values == "predictor"): act(g~) * u~ for
     every neuron, the top k by magnitude, and those k values times their rows of the transposed
-    down weight. The fp32 gate and up weights are not read. Where the kernel lowering has one op for
+    down weight. The gate and up weights are not read. Where the kernel lowering has one op for
     it (``dejavu::cpu_glu_int8_mlp`` on CPU fp32) all of it is one call; elsewhere aten ops (int8_linear, topk, gather,
-    embedding_bag)."""
+    embedding_bag; the predictor in fp32, its kept values cast to the model's dtype)."""
     x = block.nodes["input"]
     prefix = f"dejavu_L{block.layer}_mlp"
     down_value = values.get(block.down.node)
@@ -118,8 +118,10 @@ def rewrite_mlp_from_predictor(gm, graph, block: MLPBlock, entry, values, report
             both.meta["dejavu"] = {"role": "predictor", "layer": block.layer, "kind": "mlp", "reads": x.name,
                                    "lookahead": False}
         else:
-            estimate, idx = emit_int8_selection(gm, graph, block, entry, x2d, prefix, device)
+            dtype = down_value.dtype if down_value is not None else None
+            estimate, idx = emit_int8_selection(gm, graph, block, entry, x2d, prefix, device, dtype)
             kept = graph.call_function(torch.gather, (estimate, -1, idx))
+            kept = graph.call_method("type_as", (kept, w_down_t))  # fp32 values onto the model's down rows
             out = emit_weighted_row_sum(graph, idx, kept, entry.k, w_down_t, b_down)
         out.meta["dejavu"] = {"role": "sparse_mlp", "layer": block.layer, "k": entry.k}
     _replace_block(graph, block, out)

@@ -1,16 +1,19 @@
 """The backend's pass list, in the order the runner applies it (``runner.py``; see README.md)."""
 from __future__ import annotations
 
+from dejavu_compile.compiler.passes.auto_plan import TrainingFreePlan
 from dejavu_compile.compiler.passes.guards import DecodeShapeGuard, PlanCheck, TrainingGuard
 from dejavu_compile.compiler.passes.match import MatchPass
 from dejavu_compile.compiler.passes.simulate import SimulationPass
 from dejavu_compile.compiler.passes.sparse_attention import SparseAttentionPass
 from dejavu_compile.compiler.passes.sparse_mlp import SparseMLPPass
+from dejavu_compile.compiler.passes.weights_check import WeightsCheck
 
 
 def default_passes(opts: dict) -> list:
-    """match -> training_guard -> plan_check -> (simulate | decode_shape -> sparse_mlp -> sparse_attention)."""
-    passes = [MatchPass(), TrainingGuard(), PlanCheck()]
+    """match -> training_guard -> auto_plan -> plan_check -> weights_check
+    -> (simulate | decode_shape -> sparse_mlp -> sparse_attention)."""
+    passes = [MatchPass(), TrainingGuard(), TrainingFreePlan(), PlanCheck(), WeightsCheck()]
     if opts.get("simulate"):
         return [*passes, SimulationPass()]
     return [*passes, DecodeShapeGuard(), SparseMLPPass(), SparseAttentionPass()]

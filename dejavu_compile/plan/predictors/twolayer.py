@@ -145,7 +145,13 @@ def train_predictor(
     """
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
-    torch.manual_seed(seed)
+    # the initialisation draws from the CPU generator seeded with `seed`; the caller's state is restored
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        return _train(x, importance, k, rank, relu, loss, steps, lr, batch_size, weight_decay, soft_power, seed)
+
+
+def _train(x, importance, k, rank, relu, loss, steps, lr, batch_size, weight_decay, soft_power, seed) -> LowRankPredictor:
     n, d = x.shape
     total = importance.shape[1]
     k = max(1, min(k, total))
