@@ -36,7 +36,11 @@ def _use_tree(tree: str):
     for name in [m for m in sys.modules if m == "dejavu_compile" or m.startswith("dejavu_compile.")]:
         del sys.modules[name]
     import dejavu_compile
+    import torch
 
+    # backend="dejavu" inside the tree (its perplexity) must mean this tree's backend, not the
+    # installed package's entry point
+    torch._dynamo.register_backend(compiler_fn=dejavu_compile.dejavu_backend, name="dejavu")
     return dejavu_compile
 
 
@@ -135,6 +139,18 @@ def _run_worker(mode: str, tree: str, plan_dir: pathlib.Path, args) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
+def _cpu_model() -> str:
+    """The CPU's model name and widest vector extension (from /proc/cpuinfo where there is one)."""
+    try:
+        info = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{name or platform.machine()} ({vector})"
+
+
 def _git(tree: str, *cmd) -> str:
     try:
         return subprocess.run(["git", "-C", tree, *cmd], capture_output=True, text=True).stdout.strip()
@@ -191,7 +207,7 @@ def main() -> None:
     same_tokens = all(r["tokens"] == runs[args.trees[0]][0]["tokens"] for rs in runs.values() for r in rs)
     import torch
 
-    record = {"machine": f"{platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}",
+    record = {"machine": f"{_cpu_model()}, {args.threads} threads, torch {torch.__version__}",
               "command": "python benchmarks/decode_ab.py " + " ".join(sys.argv[1:]), "plan": str(plan_dir),
               "new_tokens": args.new_tokens, "rounds": args.rounds, "repeats": args.repeats,
               "trees": summary, "ratio_b_over_a": b["ratio"] / a["ratio"], "same_greedy_tokens": same_tokens}

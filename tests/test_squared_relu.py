@@ -1,7 +1,13 @@
 """Squared ReLU end to end, on a real Hugging Face family that uses it (Nemotron, hidden_act="relu2"):
-matched by the built-in MLP rule, calibrated, and decoded through the sparse CPU ops, equal to a
-float64 masked reference computed from the activation table's own reference function."""
+matched by the built-in MLP rule, calibrated, and decoded through the sparse CPU ops and (under the
+Triton interpreter) the Triton kernel, equal to a float64 masked reference computed from the
+activation table's own reference function."""
 from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,6 +23,7 @@ from dejavu_compile.testing.tiny import tiny_model  # noqa: E402
 from tests.test_sparse_backend import logits_with_hooks  # noqa: E402
 
 V = 128
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _batches(n=4, t=32, seed=1):
@@ -53,12 +60,17 @@ def masked_reference_float64(model, plan, ids):
     return logits_with_hooks(model, ids, handles)
 
 
-@pytest.fixture(scope="module")
-def nemotron_and_plan():
+def build_model_and_plan():
+    """A tiny Nemotron and its calibrated plan at 50% MLP density (Deja Vu's two-layer predictor)."""
     model = tiny_model("nemotron", vocab=V)
     samples, _ = collect(model, _batches(), progress=False)
     plan = calibrate(model, None, samples=samples, mlp_density=0.5, progress=False, dense_when_unprofitable=False)
     return model, plan
+
+
+@pytest.fixture(scope="module")
+def nemotron_and_plan():
+    return build_model_and_plan()
 
 
 def test_builtin_rule_matches_squared_relu():
@@ -95,3 +107,35 @@ def test_squared_relu_decode_matches_float64_masked_reference(nemotron_and_plan,
     assert len(sparse_ops) == 2, reports[-1].rewritten
     assert describe_difference("logits", got, expected, rtol=1e-4, atol=1e-4) is None
     assert (dense - expected).abs().max() > 1e-3  # the plan really removed neurons
+
+
+TRITON_DECODE = """
+import torch
+from dejavu_compile.testing import describe_difference
+from tests.test_squared_relu import build_model_and_plan, masked_reference_float64, V
+
+torch.set_num_threads(1)
+model, plan = build_model_and_plan()
+ids = torch.randint(3, V, (2, 1), generator=torch.Generator().manual_seed(7))
+expected = masked_reference_float64(model, plan, ids)
+reports = []
+with torch.no_grad():
+    got = torch.compile(model, backend="dejavu", options={
+        "plan": plan, "inner": "eager", "lowering": "triton", "strict": True,
+        "on_report": reports.append})(ids, use_cache=False).logits
+assert describe_difference("logits", got, expected, rtol=1e-4, atol=1e-4) is None
+targets = {getattr(n.target, "__name__", "") for r in reports for n in r.graph.graph.nodes if n.op == "call_function"}
+assert "sparse_mlp_triton" in targets, targets
+print("triton relu2 decode ok")
+"""
+
+
+def test_squared_relu_decodes_through_the_triton_kernel_under_the_interpreter():
+    """The Triton lowering's relu2 case inside a whole model: TRITON_INTERPRET=1 must be set before
+    the kernels are imported, so the decode runs in a fresh process (CPU tensors, fp32)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "DEJAVU_TRITON_AUTOTUNE": "0", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, "-c", TRITON_DECODE], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert "triton relu2 decode ok" in result.stdout
