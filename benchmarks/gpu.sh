@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session, everything that needs CUDA: the CUDA tests, the kernel benchmark (Triton vs
+# Everything that needs CUDA, in one run: the CUDA tests, the kernel benchmark (Triton vs
 # cuBLAS, CUDA-graph replays) and the decode benchmark on LLaMA-7B-shaped random layers.
 #
 #     OUT=benchmarks/results/gpu bash benchmarks/gpu.sh
@@ -17,7 +17,7 @@ PY=python3
   nproc; } 2>&1 | tee "$OUT/env.txt"
 
 # The package without its dependencies (the machine has them); if pip cannot build it offline,
-# put it on the path and declare the backend's entry point by hand.
+# put it on the path and declare the backend's entry point in a dist-info folder.
 if ! $PY -m pip install -q --no-deps --no-build-isolation -e . >>"$OUT/env.txt" 2>&1; then
   mkdir -p /tmp/site/dejavu_compile-0.dist-info
   printf 'Metadata-Version: 2.1\nName: dejavu-compile\nVersion: 0\n' >/tmp/site/dejavu_compile-0.dist-info/METADATA

@@ -195,13 +195,19 @@ TRITON_DECODE = textwrap.dedent("""
 """)
 
 
+def run_under_triton_interpreter(script: str) -> str:
+    """Run ``script`` in a fresh process with TRITON_INTERPRET=1 (it must be set before the Triton
+    kernels are first imported); its stdout, after asserting it exited cleanly."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "DEJAVU_TRITON_AUTOTUNE": "0", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result.stdout
+
+
 def test_triton_lowering_decodes_a_tiny_model_under_the_interpreter():
     """The "triton" registry entry end to end: TRITON_INTERPRET=1 must be set before the Triton
     kernels are first imported, so the decode runs in a fresh process (CPU tensors, fp32: bf16 math
     is wrong in the interpreter)."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "DEJAVU_TRITON_AUTOTUNE": "0", "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, "-c", TRITON_DECODE], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    assert "triton decode ok" in result.stdout
+    assert "triton decode ok" in run_under_triton_interpreter(TRITON_DECODE)

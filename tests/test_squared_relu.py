@@ -4,11 +4,6 @@ Triton interpreter) the Triton kernel, equal to a float64 masked reference compu
 activation table's own reference function."""
 from __future__ import annotations
 
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -23,7 +18,6 @@ from dejavu_compile.testing.tiny import tiny_model  # noqa: E402
 from tests.test_sparse_backend import logits_with_hooks  # noqa: E402
 
 V = 128
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _batches(n=4, t=32, seed=1):
@@ -133,9 +127,6 @@ print("triton relu2 decode ok")
 def test_squared_relu_decodes_through_the_triton_kernel_under_the_interpreter():
     """The Triton lowering's relu2 case inside a whole model: TRITON_INTERPRET=1 must be set before
     the kernels are imported, so the decode runs in a fresh process (CPU tensors, fp32)."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "DEJAVU_TRITON_AUTOTUNE": "0", "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, "-c", TRITON_DECODE], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    assert "triton relu2 decode ok" in result.stdout
+    from tests.test_passes import run_under_triton_interpreter
+
+    assert "triton relu2 decode ok" in run_under_triton_interpreter(TRITON_DECODE)
