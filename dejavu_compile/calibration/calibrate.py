@@ -31,6 +31,7 @@ import torch
 
 from dejavu_compile.calibration import budget
 from dejavu_compile.calibration.collect import collect
+from dejavu_compile.compiler.passes.auto_plan import k_multiple
 from dejavu_compile.plan import predictors
 from dejavu_compile.plan.predictors.metrics import mass_captured, mass_curve, recall
 from dejavu_compile.plan.predictors.registry import FitInputs
@@ -318,9 +319,7 @@ def fit_mlp_predictor(model, s, block, options: Options, fit_idx, val_idx, rank:
     with torch.no_grad():
         scores = kind.scores(tensors, x_in[val_idx], block.activation)
     importance = s.mlp_importance[val_idx]
-    # k in multiples of 32 (wide models): the sparse kernels split k into equal parts (bags,
-    # blocks); another k (e.g. a prime) works too, padded to equal parts.
-    multiple = 32 if total >= 512 else 1
+    multiple = k_multiple(total)
     grid = budget.k_grid(total, min_density, 20, multiple=multiple)
     dense_bytes = (3 if block.gated else 2) * block.hidden_size * total * element_size
     return LayerFit(name, tensors, scores, importance, {k: 1.0 - m for k, m in mass_curve(scores, importance, grid).items()},

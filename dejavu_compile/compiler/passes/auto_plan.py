@@ -35,10 +35,15 @@ _hint_logged = False
 _entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+def k_multiple(total: int) -> int:
+    """The step of a layer's k, for calibrate and this pass alike: multiples of 32 from 512 neurons,
+    which the sparse kernels split into equal parts (bags, blocks); another k works too, padded."""
+    return 32 if total >= 512 else 1
+
+
 def uniform_k(total: int, density: float) -> int:
-    """Neurons kept at ``density``: ``calibration.budget.uniform`` on calibrate's grid (multiples of
-    32 from 512 neurons, which the sparse kernels split into equal parts)."""
-    multiple = 32 if total >= 512 else 1
+    """Neurons kept at ``density``: ``calibration.budget.uniform`` on the ``k_multiple`` grid."""
+    multiple = k_multiple(total)
     k = int(round(density * total / multiple)) * multiple
     return min(total, max(k, min(multiple, total)))
 
