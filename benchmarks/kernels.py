@@ -2,10 +2,12 @@
 
     python benchmarks/kernels.py [--quick] [--shapes llama7b smollm2] [--threads N] [--ops mlp attention bounds]
     THP_MEM_ALLOC_ENABLE=0 python benchmarks/kernels.py ...   # without transparent huge pages
+    DEJAVU_CFLAGS=-mno-avx512f python benchmarks/kernels.py ...   # the AVX2 paths of an AVX-512 CPU
     python benchmarks/kernels.py --cpu-paths native torch --prefetch-sweep   # CPU MLP paths, prefetch settings
 
 CPU: fp32, dense = the torch ops a decoder runs (MLP: three F.linear; attention: q F.linear,
-RoPE, SDPA over the cache, o F.linear), sparse = the dejavu ops; the sparse MLP op runs through
+RoPE, SDPA over the cache, o F.linear), sparse = the dejavu ops (efficiency also against the backend's own dense path, its GEMV op, column
+"GEMV"); the sparse MLP op runs through
 each CPU path: "native" (the C kernel fp32 calls take, rows ``gated_mlp``), "c++" (the same kernel
 through the C++-registered op decode graphs call, rows ``gated_mlp/c++``) and "torch" (the
 Inductor-fused gather-GEMV + embedding_bag, rows ``gated_mlp/torch``). CUDA (auto-detected): fp16, dense
@@ -69,6 +71,17 @@ class Timer:
         t = time.perf_counter()
         fn()
         return time.perf_counter() - t
+
+
+def _cpu_model() -> str:
+    """The CPU model line, family and model numbers, and the widest vector extension the C kernels use."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    try:
+        from peers import cpu_flags
+    finally:
+        sys.path.pop(0)
+    info = cpu_flags()
+    return f"{info['cpu']}, {info['isa']}"
 
 
 def n_copies(layer_bytes):
@@ -138,6 +151,15 @@ def bench_mlp(shape, dtype, device, reps, densities, timer, label="gated_mlp", o
         w = layers[i]["dense"]
         return F.linear(F.silu(F.linear(x, w["w_gate"])) * F.linear(x, w["w_up"]), w["w_down"])
 
+    # The backend's own dense decode path on CPU fp32: the same three projections through its GEMV op
+    # (dejavu::cpu_linear). Efficiency is also reported against it, the faster dense baseline here.
+    gemv_ms = None
+    if device.type == "cpu" and dtype == torch.float32 and native.load_ops():
+        def dense_gemv(i):
+            w, lin = layers[i]["dense"], torch.ops.dejavu.cpu_linear
+            return lin(F.silu(lin(x, w["w_gate"])) * lin(x, w["w_up"]), w["w_down"])
+
+        gemv_ms = statistics.median(interleaved(timer, dense_gemv, dense, reps, len(layers))[0]) * 1e3
     rows = []
     for dens in densities:
         k = max(1, round(dens * ff))
@@ -153,6 +175,9 @@ def bench_mlp(shape, dtype, device, reps, densities, timer, label="gated_mlp", o
         row["rel_err"] = mlp_error(x, layers[0], pool[0], op)
         row.update(dense_GBps=layer_bytes / row["dense_ms"] / 1e6,
                    sparse_GBps=layer_bytes * k / ff / row["sparse_ms"] / 1e6)
+        if gemv_ms is not None:
+            row.update(dense_gemv_ms=gemv_ms, efficiency_vs_gemv=gemv_ms / row["sparse_ms"] * k / ff,
+                       dense_gemv_GBps=layer_bytes / gemv_ms / 1e6)
         rows.append(row)
     return rows
 
@@ -345,7 +370,8 @@ def main(argv=None):
     machine = dict(device=str(device), gpu=torch.cuda.get_device_name() if device.type == "cuda" else None,
                    platform=platform.platform(), processor=platform.processor() or platform.machine(),
                    threads=torch.get_num_threads(), cpus=os.cpu_count(), loadavg_at_start=os.getloadavg(),
-                   torch=torch.__version__, dtype=str(dtype), reps=reps,
+                   torch=torch.__version__, dtype=str(dtype), reps=reps, cflags=os.environ.get("DEJAVU_CFLAGS", ""),
+                   cpu_model=_cpu_model(),
                    thp_mem_alloc=os.environ.get("THP_MEM_ALLOC_ENABLE"), cpu_fused_gather=_FUSED["enabled"],
                    cpu_c_kernel=device.type == "cpu" and native.available(),
                    c_kernel_prefetch=native.prefetch_default() if device.type == "cpu" and native.available() else None)
@@ -366,12 +392,13 @@ def main(argv=None):
             result["shapes"][name]["prefetch_sweep"] = prefetch_sweep(shape, dtype, device, reps, timer)
         print(f"\n## {name} {shape}")
         print(f"{'op':<15}{'density':>8}{'dense ms':>10}{'sparse ms':>11}{'speedup':>9}{'effic.':>8}"
-              f"{'| min: dense':>13}{'sparse':>9}{'effic.':>8}{'rel.err':>9}")
+              f"{'| min: dense':>13}{'sparse':>9}{'effic.':>8}{'rel.err':>9}{'| GEMV ms':>10}{'effic.':>8}")
         for r in rows:
             print(f"{r['op']:<15}{r['density']:>8.3f}{r['dense_ms']:>10.3f}{r['sparse_ms']:>11.3f}"
                   f"{r['speedup']:>9.2f}{r['efficiency']:>8.2f}{r['dense_min_ms']:>13.3f}"
                   f"{r['sparse_min_ms']:>9.3f}{r['efficiency_of_min']:>8.2f}"
-                  + (f"{r['rel_err']:>9.1e}" if "rel_err" in r else ""))
+                  + (f"{r['rel_err']:>9.1e}" if "rel_err" in r else "")
+                  + (f"{r['dense_gemv_ms']:>10.3f}{r['efficiency_vs_gemv']:>8.2f}" if "dense_gemv_ms" in r else ""))
         for key, val in bounds.items():
             print(f"  {key}: {val:.1f}")
     path = args.out or os.path.join(os.path.dirname(__file__), "results", f"kernels-{device.type}-t{torch.get_num_threads()}.json")

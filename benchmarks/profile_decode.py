@@ -1,21 +1,34 @@
-"""Where a SmolLM2 decode step goes on CPU: torch.profiler over Inductor dense and dejavu decode.
+"""Where a SmolLM2 decode step goes on CPU: Inductor dense, dejavu exact (no plan) and the default plan.
 
-    python benchmarks/profile_decode.py                          # int8 predictor, 70% MLP density
-    python benchmarks/profile_decode.py --layout                 # does prepare_model slow dense?
+    python benchmarks/profile_decode.py                 # the split below, per variant
+    python benchmarks/profile_decode.py --layout        # does prepare_model slow dense?
 
-The profile runs 32 decode steps (static cache, batch 1) per variant after warm-up and prints the
-operators by self time; Inductor's generated loops are named (``cpp.enable_kernel_profile``).
-``--layout`` instead decodes with Inductor dense on two copies of the model, as loaded and after
-``prepare_model`` (down/o projections stored transposed), interleaved, to check that the layout the
-sparse kernels want does not slow the dense baseline the benchmarks compare against.
+For each variant (fp32, batch 1, static cache, 2 threads unless --threads): the decode step as
+``generate()`` runs it, the same compiled forward called in a plain loop over a 128-slot static
+cache (generate() allocates prompt + 33 slots, so the two differ by the loop's own cost and by the
+attention's cache length; ``benchmarks/peers.py`` measures the loop alone with ``greedy_decode``), and torch.profiler's self time of 16 plain steps grouped into weight
+reading (projections and sparse MLP ops), attention, Dynamo's guards, the compiled graph's own code
+(Inductor's kernels and its wrapper) and the rest, scaled to the unprofiled step. The weight-streaming
+floor is the bytes a step reads over the machine's streaming rate, measured by the backend's GEMV
+over every weight of the model. ``--layout`` instead decodes with Inductor dense on two copies of the
+model, as loaded and after ``prepare_model`` (down/o projections stored transposed), interleaved.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import time
 
 import torch
+
+CATEGORIES = {  # profiler event name -> category; the rest is "other"
+    "aten::mm": "weights: projections", "aten::addmm": "weights: projections", "aten::linear": "weights: projections",
+    "dejavu::cpu_linear": "weights: projections", "dejavu::cpu_glu_int8_mlp": "weights: sparse MLP ops",
+    "dejavu::cpu_sparse_mlp": "weights: sparse MLP ops", "dejavu::cpu_glu_int8_topk": "weights: sparse MLP ops",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)",
+    "TorchDynamo Cache Lookup": "Dynamo guards",
+}
 
 
 def _decode_seconds(model, ids, tokens: int) -> float:
@@ -28,27 +41,22 @@ def _decode_seconds(model, ids, tokens: int) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--predictor", choices=("int8", "lowrank"), default="int8")
-    ap.add_argument("--density", type=float, default=0.7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--layout", action="store_true")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--cpu-lowering", nargs="+", default=["auto"], choices=["auto", "native", "op", "decomposed"],
-                    help="sparse-MLP lowerings to profile (auto = decomposed; op: the custom op, its C kernel)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    import torch._inductor.config as inductor_config
 
-    from dejavu_compile.evaluation.bench import compiled_forward, machine_description
-    from dejavu_compile.calibration.calibrate import calibrate
-    from dejavu_compile.cli import DEMO_PROMPT
     from dejavu_compile.assets.models import load_smollm2
+    from dejavu_compile.cli import BUNDLED, DEMO_PROMPT, _default_plan_dir, load_or_calibrate
     from dejavu_compile.compiler.prepare import prepare_model
+    from dejavu_compile.evaluation.bandwidth import bandwidth_bound
+    from dejavu_compile.evaluation.bench import compiled_forward, machine_description
 
-    inductor_config.cpp.enable_kernel_profile = True
     model, tok = load_smollm2()
+    model.eval()
     ids = tok(DEMO_PROMPT, return_tensors="pt").input_ids
-    print(f"machine: {machine_description()}")
+    print(f"machine: {machine_description()}; {_cpu()}")
     if args.layout:
         prepared = copy.deepcopy(model)
         prepare_model(prepared)
@@ -66,24 +74,99 @@ def main(argv=None) -> int:
                   f"({', '.join(f'{x:.1f}' for x in r)})")
         return 0
 
-    plan = calibrate(model, tok, predictor=args.predictor, mlp_density=args.density, max_tokens=2048, progress=False)
+    plan = load_or_calibrate(model, tok, _default_plan_dir(model, BUNDLED))
     prepare_model(model)
+    rate = streaming_rate(model)
+    # SmolLM2's output head is its embedding: a dense step reads every parameter once
+    dense_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    print(f"streaming rate (the backend's GEMV over every weight): {rate / 1e9:.1f} GB/s")
+    variants = {"Inductor dense": (compiled_forward("inductor"), dense_bytes),
+                "dejavu exact": (compiled_forward("dejavu"), dense_bytes),
+                "dejavu default plan": (compiled_forward("dejavu", options={"plan": plan}),
+                                        dense_bytes / bandwidth_bound(model, plan)),
+                # the plan with its dense projections left to Inductor (dense_lowering="aten")
+                "dejavu default plan, aten projections": (
+                    compiled_forward("dejavu", options={"plan": plan, "dense_lowering": "aten"}),
+                    dense_bytes / bandwidth_bound(model, plan))}
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 8 * len(variants))
     original = model.forward
-    variants = {"Inductor dense": compiled_forward("inductor")}
-    for lowering in args.cpu_lowering:
-        name = f"dejavu {args.predictor} {plan.mlp_density:.2f}" + ("" if lowering == "auto" else f" [{lowering}]")
-        variants[name] = compiled_forward("dejavu", options={"plan": plan, "cpu_lowering": lowering})
-    for name, wrap in variants.items():
+    for name, (wrap, step_bytes) in variants.items():
         model.forward = wrap(original)
-        for tokens in (33, 1, 33, 1):  # compiles every graph these lengths need (the static cache size is one)
+        for tokens in (33, 1, 33, 1):  # compiles every graph these lengths need
             _decode_seconds(model, ids, tokens)
-        step = (_decode_seconds(model, ids, 33) - _decode_seconds(model, ids, 1)) / 32
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            _decode_seconds(model, ids, 33)
-        print(f"\n{name}: {1e3 * step:.1f} ms per decode step unprofiled; profile of 32 steps (+ prefill):")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=70))
+        generate_step = statistics.median((_decode_seconds(model, ids, 33) - _decode_seconds(model, ids, 1)) / 32
+                                          for _ in range(args.repeats))
+        plain_step, categories = _plain_steps(model, ids, args.repeats)
         model.forward = original
+        print(f"\n{name}: {1e3 * generate_step:.1f} ms per token in generate(), {1e3 * plain_step:.1f} ms per plain "
+              f"step; weight-streaming floor {1e3 * step_bytes / rate:.1f} ms ({step_bytes / 1e6:.0f} MB)")
+        print(f"  generate() loop: {1e3 * (generate_step - plain_step):5.1f} ms")
+        for category, share in sorted(categories.items(), key=lambda kv: -kv[1]):
+            print(f"  {category:<28}{1e3 * share * plain_step:5.1f} ms ({share:.0%})")
     return 0
+
+
+def _cpu() -> str:
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from peers import cpu_flags
+
+    info = cpu_flags()
+    return f"{info['cpu']}, {info['isa']}"
+
+
+def streaming_rate(model) -> float:
+    """Bytes per second the backend's GEMV reads the model's weight matrices at (median of 7)."""
+    from dejavu_compile.kernels.cpu import native
+
+    native.load_ops()
+    mats = [p.detach() for p in {id(p): p for p in model.parameters()}.values() if p.dim() == 2]
+    xs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in mats}
+    times = []
+    for _ in range(8):
+        start = time.perf_counter()
+        for w in mats:
+            torch.ops.dejavu.cpu_linear(xs[w.shape[1]], w)
+        times.append(time.perf_counter() - start)
+    return sum(w.numel() * 4 for w in mats) / statistics.median(times[1:])
+
+
+def _plain_steps(model, ids, repeats: int):
+    """The compiled forward over a static cache, one token per call: (median seconds per step,
+    {category: share of the profiled self time})."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=128)
+    with torch.no_grad():
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(ids.shape[1]))
+        state = {"next": out.logits[:, -1:].argmax(-1), "pos": ids.shape[1]}
+
+        def step():
+            o = model(input_ids=state["next"], past_key_values=cache, use_cache=True,
+                      cache_position=torch.tensor([state["pos"]]))
+            state["next"], state["pos"] = o.logits[:, -1:].argmax(-1), state["pos"] + 1
+
+        for _ in range(3):
+            step()
+        times = []
+        for _ in range(8 * repeats):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(16):
+                step()
+    totals: dict[str, float] = {}
+    for event in prof.key_averages():
+        name = event.key
+        category = CATEGORIES.get(name, "compiled graph: kernels + wrapper" if name.startswith("## Call CompiledFxGraph")
+                                  else "other")
+        totals[category] = totals.get(category, 0.0) + event.self_cpu_time_total
+    whole = sum(totals.values())
+    return statistics.median(times), {k: v / whole for k, v in totals.items()}
 
 
 if __name__ == "__main__":

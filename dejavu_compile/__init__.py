@@ -12,7 +12,7 @@ from dejavu_compile.errors import DejavuOptionError, PlanMismatchError
 __version__ = "0.1.0"
 __all__ = [
     "AttentionBlock", "DejavuOptionError", "ExplainReport", "PlanMismatchError", "MLPBlock", "SparsityPlan", "WeightRef", "calibrate",
-    "dejavu_backend", "explain", "prepare_model", "register_rule", "registered_rules", "unregister_rule",
+    "dejavu_backend", "explain", "greedy_decode", "prepare_model", "register_rule", "registered_rules", "unregister_rule",
 ]
 
 
@@ -25,6 +25,10 @@ def __getattr__(name):  # heavier pieces load on first use
         from dejavu_compile.calibration.calibrate import calibrate
 
         return calibrate
+    if name == "greedy_decode":
+        from dejavu_compile.evaluation.decode import greedy_decode
+
+        return greedy_decode
     if name == "prepare_model":
         from dejavu_compile.compiler.prepare import prepare_model
 

@@ -36,6 +36,9 @@ OPTION_DEFAULTS: dict[str, Any] = {
     # a test of the Triton kernels in a whole model); an error where it cannot run. None: cpu_lowering decides
     "lowering": None,
     "simulate": False,  # masked dense simulation of the plan (quality evaluation; any shape, not faster)
+    # dense fp32 projections of CPU decode graphs: "auto" through the C++ GEMV op where it builds
+    # (passes/dense_linear.py), "aten": left to the inner compiler
+    "dense_lowering": "auto",
 }
 INNER_CHOICES = ("inductor", "eager")
 
@@ -90,6 +93,8 @@ def validate_options(options: dict | None) -> dict:
         if merged["lowering"] not in registered_lowerings():
             raise DejavuOptionError(f"option 'lowering' must be None or one of {sorted(registered_lowerings())}, "
                                     f"got {merged['lowering']!r}")
+    if merged["dense_lowering"] not in ("auto", "aten"):
+        raise DejavuOptionError(f"option 'dense_lowering' must be 'auto' or 'aten', got {merged['dense_lowering']!r}")
     if not (isinstance(merged["max_batch"], int) and merged["max_batch"] >= 1):
         raise DejavuOptionError("option 'max_batch' must be a positive int")
     return merged
@@ -179,11 +184,13 @@ class DejavuBackend:
         return _compile_inner(gm, example_inputs, opts, mode)
 
     def run_passes(self, gm, example_inputs, opts, report: BackendReport) -> fx.GraphModule:
-        """The pass list (``passes/sparsify.py``) over ``gm``, in order (``passes/runner.py``)."""
+        """The sparsity passes (``passes/sparsify.py``) over ``gm``, in order (``passes/runner.py``),
+        then the decode lowering of what stays dense, whether or not the graph was made sparse."""
         from dejavu_compile.compiler.passes.runner import PassContext, run_passes
-        from dejavu_compile.compiler.passes.sparsify import default_passes
+        from dejavu_compile.compiler.passes.sparsify import decode_lowering_passes, default_passes
 
-        return run_passes(gm, default_passes(opts), PassContext(list(example_inputs), opts, report))
+        gm = run_passes(gm, default_passes(opts), PassContext(list(example_inputs), opts, report))
+        return run_passes(gm, decode_lowering_passes(opts), PassContext(list(example_inputs), opts, report))
 
 
 dejavu_backend = DejavuBackend()

@@ -1,7 +1,8 @@
-"""The backend's pass list, in the order the runner applies it (``runner.py``; see README.md)."""
+"""The backend's pass lists, in the order the runner applies them (``runner.py``; see README.md)."""
 from __future__ import annotations
 
 from dejavu_compile.compiler.passes.auto_plan import TrainingFreePlan
+from dejavu_compile.compiler.passes.dense_linear import DenseLinearPass
 from dejavu_compile.compiler.passes.guards import DecodeShapeGuard, PlanCheck, TrainingGuard
 from dejavu_compile.compiler.passes.match import MatchPass
 from dejavu_compile.compiler.passes.simulate import SimulationPass
@@ -17,3 +18,9 @@ def default_passes(opts: dict) -> list:
     if opts.get("simulate"):
         return [*passes, SimulationPass()]
     return [*passes, DecodeShapeGuard(), SparseMLPPass(), SparseAttentionPass()]
+
+
+def decode_lowering_passes(opts: dict) -> list:
+    """dense_linear: after the sparsity passes, whether they ran to the end or stopped (no plan,
+    prefill), the projections left dense go through the GEMV kernel at decode shapes."""
+    return [DenseLinearPass()]

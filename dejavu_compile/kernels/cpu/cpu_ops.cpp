@@ -7,7 +7,11 @@
 //   cpu_glu_int8_mlp(x, w_int8, scale, w_down_t, k, activation, b_down?) -> ((B, d_out), (B, k) ids)
 //       the whole block for plan entries with values "predictor": the int8 predictor's act(g~) * u~
 //       for every neuron, the top k by magnitude, and the down projection of those k values (only
-//       the selected rows of w_down_t are read; the fp32 gate and up weights not at all).
+//       the selected rows of w_down_t are read; the fp32 gate and up weights not at all);
+//   cpu_linear(x, w, b?) -> (..., n)
+//       a dense projection at decode shapes: the GEMV kernels of cpu_sparse_mlp.c read w once, as
+//       stored (nn.Linear's rows, or the transposed storage prepare_model gives down and output
+//       projections); more than kMaxGemvRows rows of x, or other dtypes, go to at::linear.
 //
 // Why C++: inside a compiled decode step each op call is made from Inductor's Python wrapper, and
 // what it costs there is Python, not arithmetic: with the caches as a decode step leaves them, a
@@ -17,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -179,6 +184,38 @@ std::tuple<at::Tensor, at::Tensor> cpu_glu_int8_mlp(const at::Tensor& x, const a
   return {out, idx};
 }
 
+// Up to this many rows of x the GEMV kernels read the weight once for all rows; beyond it a GEMM
+// (at::linear) reuses each loaded weight block across rows better.
+constexpr int64_t kMaxGemvRows = 16;
+
+at::Tensor cpu_linear(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+  TORCH_CHECK(x_in.dim() >= 1 && w.dim() == 2 && x_in.size(-1) == w.size(1), "cpu_linear: x (..., ", w.size(-1),
+              ") and w (n, d) expected, got ", x_in.sizes(), " and ", w.sizes());
+  const int64_t n = w.size(0), d = w.size(1);
+  const int64_t rows = x_in.numel() / std::max<int64_t>(d, 1);
+  const bool f32 = x_in.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
+                   (!b.has_value() || b->scalar_type() == at::kFloat);
+  const bool cpu = x_in.device().is_cpu() && w.device().is_cpu();
+  const bool rows_layout = w.stride(1) == 1, transposed = w.stride(0) == 1 && !rows_layout;
+  if (!f32 || !cpu || rows > kMaxGemvRows || rows == 0 || n == 0 || !(rows_layout || transposed))
+    return at::linear(x_in, w, b);
+  const at::Tensor x = x_in.contiguous();
+  const float* pb = bias_ptr(b, "b", n);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor out = at::empty(shape, x.options());
+  const int threads = at::get_num_threads();
+  if (rows_layout) {
+    dejavu_linear_f32(x.data_ptr<float>(), rows, d, w.data_ptr<float>(), w.stride(0), n, pb, out.data_ptr<float>(),
+                      threads, dejavu_tuning.linear_prefetch_rows);
+  } else {
+    at::Tensor scratch = at::empty({threads * rows * n}, x.options());
+    dejavu_linear_t_f32(x.data_ptr<float>(), rows, d, w.data_ptr<float>(), w.stride(1), n, pb, out.data_ptr<float>(),
+                        scratch.data_ptr<float>(), threads);
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dejavu, m) {
@@ -187,10 +224,12 @@ TORCH_LIBRARY_FRAGMENT(dejavu, m) {
   m.def("cpu_glu_int8_topk(Tensor x, Tensor w_int8, Tensor scale, int k, str activation) -> Tensor");
   m.def("cpu_glu_int8_mlp(Tensor x, Tensor w_int8, Tensor scale, Tensor w_down_t, int k, str activation, "
         "Tensor? b_down=None) -> (Tensor, Tensor)");
+  m.def("cpu_linear(Tensor x, Tensor w, Tensor? b=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dejavu, CPU, m) {
   m.impl("cpu_sparse_mlp", &cpu_sparse_mlp);
   m.impl("cpu_glu_int8_topk", &cpu_glu_int8_topk);
   m.impl("cpu_glu_int8_mlp", &cpu_glu_int8_mlp);
+  m.impl("cpu_linear", &cpu_linear);
 }

@@ -72,11 +72,22 @@ static inline void sum_partials(const float *scratch, int64_t width, const float
     }
 }
 
-/* The default prefetch: the first 256 B of each row, 4 neurons ahead. The start of a row is what
-   the hardware prefetcher cannot guess; prefetching whole rows competes with the demand reads.
-   benchmarks/kernels.py --prefetch-sweep compares settings. Both callers (native.py, cpu_ops.cpp)
-   pass -1 to use it; the sweep passes other settings. */
-const int64_t dejavu_prefetch_default[2] = {4, 256};
+/* Per-machine settings. The sparse MLP's prefetch: the first mlp_prefetch_bytes of each row,
+   mlp_prefetch_rows neurons ahead (the start of a row is what the hardware prefetcher cannot guess;
+   prefetching whole rows competes with the demand reads). The dense GEMV's: the row
+   linear_prefetch_rows ahead (0: none, the hardware prefetcher alone). native.py measures them once
+   per build and machine (tune()) and sets them here; these defaults hold until then. The sparse
+   MLP's callers pass -1 to use them; benchmarks/kernels.py --prefetch-sweep passes others. */
+typedef struct {
+    int64_t mlp_prefetch_rows, mlp_prefetch_bytes, linear_prefetch_rows;
+} dejavu_tuning_t;
+dejavu_tuning_t dejavu_tuning = {4, 256, 0};
+
+void dejavu_set_tuning(int64_t mlp_prefetch_rows, int64_t mlp_prefetch_bytes, int64_t linear_prefetch_rows) {
+    dejavu_tuning.mlp_prefetch_rows = mlp_prefetch_rows;
+    dejavu_tuning.mlp_prefetch_bytes = mlp_prefetch_bytes;
+    dejavu_tuning.linear_prefetch_rows = linear_prefetch_rows;
+}
 
 /* out[b] = sum_j act(w_a[r].x_b + b_a[r]) * (w_b[r].x_b + b_b[r]) * w_down_t[r] + b_down,
    r = idx[b * idx_row_stride + j] for j < k.
@@ -85,7 +96,7 @@ const int64_t dejavu_prefetch_default[2] = {4, 256};
    h = act(w_a[r].x + b_a[r])). w_down_t: rows of d_out floats, down_stride apart. Biases NULL or
    contiguous. idx_row_stride 0: one idx list shared by every row of x, and each weight row is read
    once for all rows. scratch: n_threads * nb * d_out floats. out: (nb, d_out) contiguous.
-   prefetch_rows < 0: dejavu_prefetch_default. */
+   prefetch_rows < 0: the machine's setting (dejavu_tuning). */
 void dejavu_sparse_mlp_f32(const float *x, int64_t nb, int64_t d, int64_t d_out,
                            const float *w_a, int64_t a_stride, const float *w_b, int64_t b_stride,
                            const float *w_down_t, int64_t down_stride,
@@ -93,7 +104,7 @@ void dejavu_sparse_mlp_f32(const float *x, int64_t nb, int64_t d, int64_t d_out,
                            const int64_t *idx, int64_t k, int64_t idx_row_stride, int activation,
                            float *out, float *scratch, int n_threads,
                            int64_t prefetch_rows, int64_t prefetch_bytes) {
-    if (prefetch_rows < 0) prefetch_rows = dejavu_prefetch_default[0], prefetch_bytes = dejavu_prefetch_default[1];
+    if (prefetch_rows < 0) prefetch_rows = dejavu_tuning.mlp_prefetch_rows, prefetch_bytes = dejavu_tuning.mlp_prefetch_bytes;
     const int shared = idx_row_stride == 0;
     const int64_t passes = shared ? 1 : nb;      /* one pass over idx per row (or one for all) */
     const int64_t rows_per_pass = shared ? nb : 1;
@@ -267,7 +278,7 @@ void dejavu_glu_int8_scores_f32(const float *x, int64_t nb, int64_t d, const int
 void dejavu_weighted_rows_f32(const float *h, int64_t h_stride, const int64_t *idx, int64_t nb, int64_t k,
                               const float *table, int64_t table_stride, int64_t d_out, const float *bias,
                               float *out, float *scratch, int n_threads) {
-    const int64_t ahead = dejavu_prefetch_default[0], bytes = dejavu_prefetch_default[1];
+    const int64_t ahead = dejavu_tuning.mlp_prefetch_rows, bytes = dejavu_tuning.mlp_prefetch_bytes;
     for (int64_t b = 0; b < nb; b++) {
         const int64_t *ids = idx + b * k;
         const float *hb = h + b * h_stride;
@@ -287,5 +298,103 @@ void dejavu_weighted_rows_f32(const float *h, int64_t h_stride, const int64_t *i
 #pragma omp barrier
             sum_partials(scratch, d_out, bias, d_out, out + b * d_out, t, n_t);
         }
+    }
+}
+
+/* ---- Dense GEMV (decode's dense projections and output head) ----------------------------------
+
+   At batch 1 a projection is a GEMV and reading its weight is all the work: the kernels below read
+   each weight row once, from contiguous memory, with each thread streaming its own contiguous share
+   of the rows (what the hardware prefetcher follows best), and the arithmetic hides under the
+   loads. Exact: every product is summed, only the order differs from torch's GEMM. */
+
+#if defined(__AVX512F__)
+#define DEJAVU_VEC 16
+typedef __m512 vec_t;
+#define vzero() _mm512_setzero_ps()
+#define vload(p) _mm512_loadu_ps(p)
+#define vstore(p, v) _mm512_storeu_ps(p, v)
+#define vset1(s) _mm512_set1_ps(s)
+#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vadd(a, b) _mm512_add_ps(a, b)
+static inline float vsum(vec_t v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define DEJAVU_VEC 8
+typedef __m256 vec_t;
+#define vzero() _mm256_setzero_ps()
+#define vload(p) _mm256_loadu_ps(p)
+#define vstore(p, v) _mm256_storeu_ps(p, v)
+#define vset1(s) _mm256_set1_ps(s)
+#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vadd(a, b) _mm256_add_ps(a, b)
+static inline float vsum(vec_t v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* One row dotted with x. Four accumulators keep enough multiply-adds in flight. One row at a time
+   keeps each thread's reads a single forward stream, which the hardware prefetcher follows at full
+   bandwidth; reading four rows side by side gives each thread four streams, which it follows worse. */
+static inline float dot_f32(const float *restrict w, const float *restrict x, int64_t n) {
+    int64_t i = 0;
+    float s = 0.0f;
+#ifdef DEJAVU_VEC
+    vec_t a0 = vzero(), a1 = a0, a2 = a0, a3 = a0;
+    for (; i + 4 * DEJAVU_VEC <= n; i += 4 * DEJAVU_VEC) {
+        a0 = vfma(vload(w + i), vload(x + i), a0);
+        a1 = vfma(vload(w + i + DEJAVU_VEC), vload(x + i + DEJAVU_VEC), a1);
+        a2 = vfma(vload(w + i + 2 * DEJAVU_VEC), vload(x + i + 2 * DEJAVU_VEC), a2);
+        a3 = vfma(vload(w + i + 3 * DEJAVU_VEC), vload(x + i + 3 * DEJAVU_VEC), a3);
+    }
+    for (; i + DEJAVU_VEC <= n; i += DEJAVU_VEC) a0 = vfma(vload(w + i), vload(x + i), a0);
+    s = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
+#endif
+    for (; i < n; i++) s += w[i] * x[i];
+    return s;
+}
+
+/* out[b, r] = w[r] . x[b] + bias[r] for r < n: w (n, d) rows w_stride floats apart (nn.Linear's
+   layout), x (nb, d) and out (nb, n) contiguous, bias NULL or (n,). Thread t takes the rows
+   [n t / T, n (t+1) / T); each row is read once for all rows of x (it stays in L1 between them).
+   prefetch_rows > 0: also prefetch the row that many ahead (tuned per machine, see native.py). */
+void dejavu_linear_f32(const float *x, int64_t nb, int64_t d, const float *w, int64_t w_stride, int64_t n,
+                       const float *bias, float *out, int n_threads, int64_t prefetch_rows) {
+#pragma omp parallel num_threads(n_threads)
+    {
+        const int t = omp_get_thread_num(), n_t = omp_get_num_threads();
+        const int64_t lo = n * t / n_t, hi = n * (t + 1) / n_t;
+        for (int64_t r = lo; r < hi; r++) {
+            if (prefetch_rows > 0 && r + prefetch_rows < hi) prefetch(w + (r + prefetch_rows) * w_stride, d * 4, d * 4);
+            for (int64_t b = 0; b < nb; b++) out[b * n + r] = dot_f32(w + r * w_stride, x + b * d, d) + (bias ? bias[r] : 0.0f);
+        }
+    }
+}
+
+/* out[b] = sum_i x[b, i] * w_t[i] + bias: the same product for a weight stored transposed, w_t (d, n)
+   rows t_stride floats apart (the layout prepare_model gives down and output projections, which the
+   sparse kernels read by rows). Thread t sums rows [d t / T, d (t+1) / T) into its accumulator
+   (scratch: n_threads * nb * n floats); the accumulators are added at the end. */
+void dejavu_linear_t_f32(const float *x, int64_t nb, int64_t d, const float *w_t, int64_t t_stride, int64_t n,
+                         const float *bias, float *out, float *scratch, int n_threads) {
+#pragma omp parallel num_threads(n_threads)
+    {
+        const int t = omp_get_thread_num(), n_t = omp_get_num_threads();
+        const int64_t lo = d * t / n_t, hi = d * (t + 1) / n_t;
+        float *acc = scratch + (int64_t)t * nb * n;
+        memset(acc, 0, sizeof(float) * nb * n);
+        for (int64_t i = lo; i < hi; i++) {
+            const float *row = w_t + i * t_stride;
+            for (int64_t b = 0; b < nb; b++) {
+                const float v = x[b * d + i];
+                float *acc_b = acc + b * n;
+#pragma omp simd
+                for (int64_t c = 0; c < n; c++) acc_b[c] += v * row[c];
+            }
+        }
+#pragma omp barrier
+        sum_partials(scratch, nb * n, bias, n, out, t, n_t);
     }
 }

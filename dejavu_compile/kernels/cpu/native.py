@@ -41,11 +41,13 @@ SOURCE = Path(__file__).with_name("cpu_sparse_mlp.c")
 OPS_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 # -ffp-contract=fast: fused multiply-adds in the dot products and row sums (ISO C mode, -std=c11,
 # turns contraction off otherwise, and the C build would be slower than the same code as C++).
+# $DEJAVU_CFLAGS adds flags (e.g. -mno-avx512f: the AVX2 paths on an AVX-512 machine, which
+# benchmarks/kernels.py --isa avx2 measures).
 _COMMON_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fPIC", "-shared",
-                 *activations.c_defines())
+                 *activations.c_defines(), *os.environ.get("DEJAVU_CFLAGS", "").split())
 FLAGS = (*_COMMON_FLAGS, "-std=c11")
-# None: the kernel's own default prefetch (dejavu_prefetch_default in cpu_sparse_mlp.c, which the
-# C++ op uses too); benchmarks/kernels.py --prefetch-sweep sets other (rows ahead, bytes per row).
+# None: the machine's tuned prefetch (dejavu_tuning in cpu_sparse_mlp.c, which the C++ op uses too);
+# benchmarks/kernels.py --prefetch-sweep sets other (rows ahead, bytes per row).
 PREFETCH_ROWS = None
 PREFETCH_BYTES = None
 
@@ -107,13 +109,19 @@ def _load():
                 cc = _compiler()
                 if cc is None:
                     raise RuntimeError("no C compiler found (set $CC)")
-                lib = ctypes.CDLL(str(_build(cc)))
+                path = _build(cc)
+                lib = ctypes.CDLL(str(path))
                 P, I = ctypes.c_void_p, ctypes.c_int64
                 lib.dejavu_sparse_mlp_f32.argtypes = [P, I, I, I, P, I, P, I, P, I, P, P, P, P, I, I, ctypes.c_int,
                                                       P, P, ctypes.c_int, I, I]
                 lib.dejavu_int8_linear_f32.argtypes = [P, I, I, P, I, P, P, P, P, ctypes.c_int]
-                for fn in (lib.dejavu_sparse_mlp_f32, lib.dejavu_int8_linear_f32):
+                lib.dejavu_linear_f32.argtypes = [P, I, I, P, I, I, P, P, ctypes.c_int, I]
+                lib.dejavu_set_tuning.argtypes = [I, I, I]
+                for fn in (lib.dejavu_sparse_mlp_f32, lib.dejavu_int8_linear_f32, lib.dejavu_linear_f32,
+                           lib.dejavu_set_tuning):
                     fn.restype = None
+                _STATE["tuning"] = machine_tuning(lib, path.with_suffix(".tuning.json"))
+                lib.dejavu_set_tuning(*_tuning_args())
                 _STATE["lib"] = lib
             except Exception as err:  # no compiler, no OpenMP, a read-only cache: keep the torch path
                 _STATE["error"] = f"{type(err).__name__}: {err}"
@@ -166,8 +174,84 @@ def sparse_mlp_f32(x: Tensor, w_a: Tensor, w_b: Optional[Tensor], w_down_t: Tens
 
 
 def prefetch_default() -> tuple[int, int]:
-    """The kernel's default prefetch (rows ahead, bytes per row), as compiled."""
-    return tuple((ctypes.c_int64 * 2).in_dll(_load(), "dejavu_prefetch_default"))
+    """The sparse MLP kernel's prefetch on this machine (rows ahead, bytes per row)."""
+    t = tuning()
+    return t["mlp_prefetch_rows"], t["mlp_prefetch_bytes"]
+
+
+def tuning() -> dict:
+    """The kernel settings in effect on this machine (measured once per build, see machine_tuning);
+    empty when the C kernels are unavailable."""
+    _load()
+    return dict(_STATE.get("tuning") or {})
+
+
+def _tuning_args() -> tuple[int, int, int]:  # dejavu_set_tuning's arguments, in its order
+    t = _STATE["tuning"]
+    return t["mlp_prefetch_rows"], t["mlp_prefetch_bytes"], t["linear_prefetch_rows"]
+
+
+# What machine_tuning tries. Sparse MLP: (rows ahead, bytes per row); dense GEMV: rows ahead.
+MLP_PREFETCH_CHOICES = ((0, 0), (2, 256), (4, 256), (8, 256), (4, 1024), (8, 1024))
+LINEAR_PREFETCH_CHOICES = (0, 2, 8)
+
+
+def machine_tuning(lib, path: Path) -> dict:
+    """The prefetch settings that run fastest on this machine, measured once per built library and
+    cached beside it (``*.tuning.json``; delete it to measure again). About a second: a sparse MLP
+    at density 0.25 and a dense GEMV over weights larger than a 32 MiB last-level cache, each
+    setting timed interleaved with the others, medians of 7 rounds. ``DEJAVU_CPU_TUNE=0`` keeps the
+    compiled defaults."""
+    import json
+
+    defaults = {"mlp_prefetch_rows": 4, "mlp_prefetch_bytes": 256, "linear_prefetch_rows": 0}
+    if os.environ.get("DEJAVU_CPU_TUNE", "1") == "0":
+        return defaults
+    try:
+        return {**defaults, **json.loads(path.read_text())}
+    except (OSError, ValueError):
+        pass
+    import statistics
+    import time
+
+    gen = torch.Generator().manual_seed(0)
+    d, n, copies, threads = 1024, 4096, 3, torch.get_num_threads()
+    weights = [torch.randn(3, n, d, generator=gen) for _ in range(copies)]  # 3 copies of 48 MiB: gate, up, down^T
+    x = torch.randn(1, d, generator=gen)
+    out = torch.empty(1, 3 * n)  # the GEMV reads the three matrices as one (3n, d)
+    scratch = torch.empty(threads * d)
+    idx = [torch.randperm(n, generator=gen)[: n // 4].sort().values for _ in range(copies)]
+
+    def mlp(setting, i):
+        w = weights[i]
+        lib.dejavu_sparse_mlp_f32(x.data_ptr(), 1, d, d, w[0].data_ptr(), d, w[1].data_ptr(), d, w[2].data_ptr(), d,
+                                  None, None, None, idx[i].data_ptr(), idx[i].numel(), 0,
+                                  activations.ACTIVATIONS["silu"].code, out.data_ptr(), scratch.data_ptr(), threads,
+                                  *setting)
+
+    def linear(setting, i):
+        w = weights[i]
+        lib.dejavu_linear_f32(x.data_ptr(), 1, d, w.data_ptr(), d, 3 * n, None, out.data_ptr(), threads, setting)
+
+    def fastest(run, choices):
+        times = {c: [] for c in choices}
+        for rep in range(8):
+            for c in choices:
+                start = time.perf_counter()
+                for i in range(copies):
+                    run(c, i)
+                if rep:  # the first round warms up
+                    times[c].append(time.perf_counter() - start)
+        return min(choices, key=lambda c: statistics.median(times[c]))
+
+    mlp_rows, mlp_bytes = fastest(mlp, MLP_PREFETCH_CHOICES)
+    settings = {"mlp_prefetch_rows": mlp_rows, "mlp_prefetch_bytes": mlp_bytes,
+                "linear_prefetch_rows": fastest(linear, LINEAR_PREFETCH_CHOICES)}
+    try:
+        path.write_text(json.dumps(settings))
+    except OSError:  # a read-only cache: measured again next time
+        pass
+    return settings
 
 
 def int8_linear_f32(x: Tensor, w_int8: Tensor, scale: Tensor) -> Tensor:
@@ -198,6 +282,7 @@ def load_ops() -> bool:
         return False
     if _OPS["loaded"] or _OPS["error"] is not None:
         return _OPS["loaded"]
+    lib = _load()  # the C kernels' library and the machine's tuning (before the lock: _load takes it)
     with _LOCK:
         if not _OPS["loaded"] and _OPS["error"] is None:
             try:
@@ -210,7 +295,12 @@ def load_ops() -> bool:
                          f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                          *(f"-I{p}" for p in cpp_extension.include_paths()))
                 libs = (*(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-lm")
-                torch.ops.load_library(str(_build(cxx, OPS_SOURCE, flags, libs, key_extra=torch.__version__)))
+                ops_path = _build(cxx, OPS_SOURCE, flags, libs, key_extra=torch.__version__)
+                torch.ops.load_library(str(ops_path))
+                if lib is not None:  # the machine's tuning (the C++ ops hold their own copy of it)
+                    set_tuning = ctypes.CDLL(str(ops_path)).dejavu_set_tuning
+                    set_tuning.argtypes, set_tuning.restype = [ctypes.c_int64] * 3, None
+                    set_tuning(*_tuning_args())
                 _register_fakes()
                 _OPS["loaded"] = True
             except Exception as err:
@@ -246,3 +336,7 @@ def _register_fakes() -> None:
         if w_down_t.dim() != 2:
             raise ValueError(f"w_down_t must be (F, d_out), got {tuple(w_down_t.shape)}")
         return x.new_empty(x.shape[0], w_down_t.shape[1]), x.new_empty(x.shape[0], k, dtype=torch.int64)
+
+    @torch.library.register_fake("dejavu::cpu_linear")
+    def _(x, w, b=None):
+        return x.new_empty(*x.shape[:-1], w.shape[0])

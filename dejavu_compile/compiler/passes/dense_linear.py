@@ -1,0 +1,103 @@
+"""The dense projections of a CPU decode graph through the backend's GEMV kernel.
+
+At decode shapes (a few rows of activations) a projection is a GEMV, and reading its weight is all
+the work. Torch's GEMM path reaches about a third of the memory bandwidth on these shapes
+(``benchmarks/profile_decode.py``); ``dejavu::cpu_linear`` (kernels/cpu/cpu_ops.cpp) streams each
+weight once at close to it. This pass rewrites every projection that is left in the graph after
+the sparsity passes (attention projections, dense MLPs, the output head; with no plan, all of
+them) into that op. Exact: every product is summed, only the summation order differs.
+
+It applies to fp32 CPU projections with at most ``MAX_ROWS`` rows of input and a weight with one
+unit stride (as stored, or transposed by ``prepare_model``); others stay as traced. Training
+graphs and graphs that need gradients are left alone (the op has no backward). The option
+``dense_lowering="aten"`` turns the pass off.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from dejavu_compile.compiler.passes.graph_utils import example_value, find_linears
+from dejavu_compile.compiler.passes.guards import training_reason
+
+# Rows of input up to which the op runs its GEMV kernels (kMaxGemvRows in cpu_ops.cpp); a prefill
+# graph's projections keep Inductor's GEMM.
+MAX_ROWS = 16
+
+
+def _rows(x) -> int | None:
+    """Rows of a (..., d) activation, when every size is a plain int."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        return None
+    if not all(isinstance(s, int) for s in x.shape):
+        return None
+    return math.prod(x.shape[:-1])
+
+
+def lowerable(x, weight, bias, layout: str) -> str | None:
+    """Why this projection keeps its traced op, or None when cpu_linear takes it."""
+    if not all(isinstance(t, torch.Tensor) for t in (x, weight)) or weight.dim() != 2:
+        return "not a plain 2-D weight"
+    if x.device.type != "cpu" or weight.device.type != "cpu":
+        return "not on the CPU"
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
+        return "not float32"
+    rows = _rows(x)
+    if rows is None or not 1 <= rows <= MAX_ROWS:
+        return f"more than {MAX_ROWS} rows (or a dynamic shape): a GEMM"
+    w_stride = weight.stride() if layout == "out_in" else weight.stride()[::-1]  # strides of the (n, d) view
+    if 1 not in w_stride:
+        return "a weight without a unit stride"
+    if bias is not None and (bias.dim() != 1 or bias.stride(0) != 1):
+        return "a strided bias"
+    return None
+
+
+class DenseLinearPass:
+    """Rewrites the graph's remaining fp32 decode-shaped projections into ``dejavu::cpu_linear``.
+    Counts the projections rewritten."""
+
+    name = "dense_linear"
+
+    def __call__(self, gm: fx.GraphModule, ctx) -> fx.GraphModule:
+        ctx.count(self.name, 0)
+        if ctx.opts.get("dense_lowering", "auto") == "aten" or ctx.opts.get("simulate"):
+            return gm
+        if training_reason(gm, ctx.example_inputs) is not None or (
+                torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad
+                                                for v in ctx.example_inputs)):
+            return gm
+        lowerings = []
+        for lin in find_linears(gm).values():
+            bias = example_value(lin.bias) if lin.bias is not None else None
+            if lowerable(example_value(lin.x), example_value(lin.weight), bias, lin.layout) is None:
+                lowerings.append(lin)
+        if not lowerings:
+            return gm
+        from dejavu_compile import kernels
+
+        if not kernels.cpu_ops_available():
+            return gm
+        graph = gm.graph
+        for lin in lowerings:
+            weight, last = lin.weight, lin.out
+            if lin.layout == "in_out":  # (d, n) as stored: the op takes the (n, d) view
+                with graph.inserting_after(last):
+                    weight = last = graph.call_function(torch.t, (lin.weight,))
+            with graph.inserting_after(last):
+                out = graph.call_function(torch.ops.dejavu.cpu_linear.default, (lin.x, weight, lin.bias))
+            out.meta.update({k: v for k, v in lin.out.meta.items() if k in ("example_value", "val", "stack_trace")})
+            lin.out.replace_all_uses_with(out)
+            _erase_unused(graph, [lin.out, lin.call, *lin.call.all_input_nodes])
+        ctx.count(self.name, len(lowerings))
+        return gm
+
+
+def _erase_unused(graph: fx.Graph, nodes) -> None:
+    """Erase the replaced projection's own nodes (its op, its bias add, addmm's flattening view)
+    once nothing reads them; a graph-wide dead-code pass could drop in-place cache writes."""
+    for node in nodes:
+        if node.op == "call_function" and not node.users and not getattr(node, "_erased", False):
+            graph.erase_node(node)

@@ -1,0 +1,49 @@
+"""``greedy_decode``: greedy generation over a static cache with nothing between two decode steps but
+the model call and an argmax.
+
+``model.generate`` spends several milliseconds of Python per token around the forward call
+(logits processors, stopping criteria, keyword bookkeeping: ``benchmarks/profile_decode.py``
+measures it), which is a large share of a small model's step once the step itself is fast. This
+loop gives the same tokens as ``generate(do_sample=False, cache_implementation="static")`` for
+decoder-only Hugging Face models without padding.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def greedy_decode(model, input_ids: torch.LongTensor, max_new_tokens: int, *, eos_token_id: int | None = None,
+                  max_cache_len: int | None = None) -> torch.LongTensor:
+    """``input_ids`` followed by up to ``max_new_tokens`` greedy tokens, (batch, prompt + new).
+
+    One prefill call, then one call per token with a ``StaticCache`` of ``max_cache_len`` slots
+    (default: prompt + new tokens). With ``eos_token_id``, a sequence that produced it is padded with
+    it, and decoding stops once every sequence has. Compile ``model.forward`` (e.g. with the dejavu
+    backend) before calling; the loop itself runs under ``torch.no_grad()``.
+    """
+    from transformers import StaticCache
+
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be (batch, prompt_length) with a prompt, got {tuple(input_ids.shape)}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    batch, prompt = input_ids.shape
+    length = prompt + max_new_tokens
+    cache = StaticCache(config=model.config, max_cache_len=max_cache_len or length)
+    out = torch.empty(batch, length, dtype=input_ids.dtype, device=input_ids.device)
+    out[:, :prompt] = input_ids
+    finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+    position = torch.arange(prompt, device=input_ids.device)
+    tokens = input_ids
+    with torch.no_grad():
+        for step in range(max_new_tokens):
+            logits = model(input_ids=tokens, past_key_values=cache, use_cache=True, cache_position=position).logits
+            tokens = logits[:, -1].argmax(-1, keepdim=True)
+            if eos_token_id is not None:
+                tokens = tokens.masked_fill(finished[:, None], eos_token_id)
+                finished |= tokens[:, 0] == eos_token_id
+            out[:, prompt + step] = tokens[:, 0]
+            if eos_token_id is not None and bool(finished.all()):
+                return out[:, :prompt + step + 1]
+            position = position[-1:] + 1
+    return out

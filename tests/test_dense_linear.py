@@ -1,0 +1,155 @@
+"""Dense decode projections through the GEMV kernel: dejavu::cpu_linear against a float64 reference,
+its fallbacks, and the dense_linear pass in whole models (every projection left dense is rewritten at
+decode shapes, none in prefill or training graphs, the output equals eager)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+from dejavu_compile.compiler.passes.dense_linear import MAX_ROWS
+from dejavu_compile.compiler.passes.runner import dejavu_op_nodes
+from dejavu_compile.kernels.cpu import native
+from dejavu_compile.testing.tiny import tiny_model
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.skipif(not native.load_ops(), reason=f"C++ ops unavailable: {native._OPS['error']}")
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _reference(x, w, b):
+    """float64 x @ w.T + b, and a bound on fp32's summation error for it (d products per output)."""
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    scale = F.linear(x.double().abs(), w.double().abs(), None if b is None else b.double().abs())
+    return ref, 2 * (x.shape[-1] + 2) * EPS32 * scale + 1e-30
+
+
+@settings(max_examples=120, deadline=None)
+@given(lead=st.sampled_from([(1,), (3,), (1, 1), (2, 3), (MAX_ROWS,)]), d=st.integers(1, 140),
+       n=st.integers(1, 130), layout=st.sampled_from(["rows", "transposed", "row_stride"]), bias=st.booleans(),
+       threads=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2 ** 16))
+def test_cpu_linear_matches_float64(lead, d, n, layout, bias, threads, seed):
+    """Both stored layouts (nn.Linear's rows; the transposed storage prepare_model gives down and
+    output projections), rows a stride apart, 1 to MAX_ROWS rows, odd sizes that leave vector tails,
+    1-3 threads. The op allocates its output in C++; comparing every element catches one left unwritten."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, d, generator=g)
+    if layout == "rows":
+        w = torch.randn(n, d, generator=g)
+    elif layout == "transposed":
+        w = torch.randn(d, n, generator=g).t()
+    else:
+        w = torch.randn(n, d + 7, generator=g)[:, 3:3 + d]
+    b = torch.randn(n, generator=g) if bias else None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.ops.dejavu.cpu_linear(x, w, b)
+    finally:
+        torch.set_num_threads(before)
+    ref, bound = _reference(x, w, b)
+    assert out.shape == (*lead, n) and out.dtype == torch.float32
+    err = (out.double() - ref).abs()
+    assert bool((err <= bound).all()), f"max error {err.max().item():.3e}, bound there {bound.flatten()[err.argmax()]:.3e}"
+
+
+@pytest.mark.parametrize("case", ["many rows", "float64", "no unit stride", "empty"])
+def test_cpu_linear_hands_other_calls_to_aten(case):
+    """Calls the GEMV kernels do not take give exactly what F.linear gives (it is what runs)."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(2, 40, generator=g), torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
+    if case == "many rows":
+        x = torch.randn(MAX_ROWS + 1, 40, generator=g)
+    elif case == "float64":
+        x, w, b = x.double(), w.double(), b.double()
+    elif case == "no unit stride":
+        w = torch.randn(48, 80, generator=g)[::2, ::2]
+    else:
+        x = torch.randn(0, 40, generator=g)
+    assert torch.equal(torch.ops.dejavu.cpu_linear(x, w, b), F.linear(x, w, b))
+
+
+def test_cpu_linear_rejects_mismatched_shapes():
+    with pytest.raises(RuntimeError, match=r"cpu_linear: x \(\.\.\., 8\) and w \(n, d\) expected"):
+        torch.ops.dejavu.cpu_linear(torch.randn(1, 7), torch.randn(4, 8))
+
+
+def _decode(model, options, tokens=1, training=False):
+    """One decode-shaped (or prefill-shaped) forward through the backend: (logits, eager logits,
+    report). training: in training mode with gradients on, as a training step runs it."""
+    reports = []
+    ids = torch.randint(3, 100, (1, tokens), generator=torch.Generator().manual_seed(1))
+    model.train(training)
+    with torch.set_grad_enabled(training):
+        expected = model(ids, use_cache=False).logits
+        compiled = torch.compile(model, backend="dejavu", options={**options, "on_report": reports.append})
+        actual = compiled(ids, use_cache=False).logits
+    torch._dynamo.reset()
+    model.eval()
+    (report,) = reports
+    return actual, expected, report
+
+
+def _projections(model) -> int:
+    return sum(isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D" for m in model.modules())
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "opt"])
+def test_decode_graph_projections_all_go_through_the_gemv(arch):
+    """No plan: every projection of a decode graph (attention, MLP, output head; GPT-2's Conv1D
+    addmm as well) becomes cpu_linear, and the logits equal eager's."""
+    model = tiny_model(arch, layers=2)
+    actual, expected, report = _decode(model, {"inner": "eager"})
+    assert report.pass_counts["dense_linear"] == _projections(model)
+    assert [n.target for n in dejavu_op_nodes(report.graph)] == [torch.ops.dejavu.cpu_linear.default] * \
+        _projections(model)
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_prefill_training_and_aten_option_keep_the_traced_projections():
+    model = tiny_model("llama", layers=1)
+    for options, tokens, training in (({}, MAX_ROWS + 1, False), ({}, 1, True), ({"dense_lowering": "aten"}, 1, False)):
+        _, _, report = _decode(model, {"inner": "eager", **options}, tokens, training)
+        assert report.pass_counts["dense_linear"] == 0 and dejavu_op_nodes(report.graph) == []
+
+
+def test_sparse_plan_leaves_its_projections_to_the_sparse_ops():
+    """With a plan the MLPs go to the sparse op and only the rest to the GEMV."""
+    from tests.test_sparse_backend import _plan
+
+    model = tiny_model("llama", layers=2)
+    _, _, report = _decode(model, {"inner": "eager", "plan": _plan(model, 0.5), "cpu_lowering": "op"})
+    layers = model.config.num_hidden_layers
+    assert report.pass_counts["sparse_mlp"] == layers
+    assert report.pass_counts["dense_linear"] == _projections(model) - 3 * layers
+
+
+@pytest.mark.slow
+def test_inductor_decode_with_the_gemv_matches_eager():
+    """Under Inductor the op is an extern call in the compiled decode step; greedy tokens over a
+    static cache equal eager's."""
+    from dejavu_compile.testing import greedy_generate
+
+    model = tiny_model("llama", layers=2)
+    ids = torch.randint(3, 100, (1, 5), generator=torch.Generator().manual_seed(2))
+    reports = []
+    expected = greedy_generate(model, ids, new_tokens=6, cache="static")
+    actual = greedy_generate(model, ids, new_tokens=6, cache="static", dejavu_options={"on_report": reports.append})
+    torch._dynamo.reset()
+    assert torch.equal(actual, expected)
+    assert any(r.pass_counts.get("dense_linear", 0) == _projections(model) for r in reports)
+
+
+def test_machine_tuning_is_measured_once_and_cached_beside_the_build(tmp_path):
+    """The settings come from the tried choices and are written where the next process reads them
+    (a second call with the file present does not measure again: it returns the file's values)."""
+    lib = native._load()
+    path = tmp_path / "kernels.tuning.json"
+    first = native.machine_tuning(lib, path)
+    assert (first["mlp_prefetch_rows"], first["mlp_prefetch_bytes"]) in native.MLP_PREFETCH_CHOICES
+    assert first["linear_prefetch_rows"] in native.LINEAR_PREFETCH_CHOICES
+    path.write_text('{"mlp_prefetch_rows": 8, "mlp_prefetch_bytes": 1024, "linear_prefetch_rows": 2}')
+    assert native.machine_tuning(lib, path) == {"mlp_prefetch_rows": 8, "mlp_prefetch_bytes": 1024,
+                                                "linear_prefetch_rows": 2}
+    assert native.tuning().keys() == first.keys()
