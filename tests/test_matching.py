@@ -257,7 +257,9 @@ def test_partly_recognised_block_stays_dense_and_is_reported():
     assert any("also used" in why for _, why in report.fallbacks), report.fallbacks
     with torch.no_grad():
         expected = model(x)
-        compiled = torch.compile(model, backend="dejavu", options={"inner": "eager"})(x)
+        # projections left to aten: bit-exact equality shows the block was not rewritten (the GEMV
+        # lowering of dense projections sums in another order; tests/test_dense_linear.py covers it)
+        compiled = torch.compile(model, backend="dejavu", options={"inner": "eager", "dense_lowering": "aten"})(x)
     torch.testing.assert_close(compiled, expected, rtol=0, atol=0)
 
 
