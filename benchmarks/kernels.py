@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from unittest import mock
 
+from dejavu_compile.evaluation.bench import cpu_info
 from dejavu_compile.kernels.cpu import native
 from dejavu_compile.kernels.torch_impl import _FUSED, gather_activate, gather_gemv
 from dejavu_compile.kernels import (prepare_attention_weights, prepare_gated_mlp_weights,
@@ -71,17 +72,6 @@ class Timer:
         t = time.perf_counter()
         fn()
         return time.perf_counter() - t
-
-
-def _cpu_model() -> str:
-    """The CPU model line, family and model numbers, and the widest vector extension the C kernels use."""
-    sys.path.insert(0, os.path.dirname(__file__))
-    try:
-        from peers import cpu_flags
-    finally:
-        sys.path.pop(0)
-    info = cpu_flags()
-    return f"{info['cpu']}, {info['isa']}"
 
 
 def n_copies(layer_bytes):
@@ -371,7 +361,7 @@ def main(argv=None):
                    platform=platform.platform(), processor=platform.processor() or platform.machine(),
                    threads=torch.get_num_threads(), cpus=os.cpu_count(), loadavg_at_start=os.getloadavg(),
                    torch=torch.__version__, dtype=str(dtype), reps=reps, cflags=os.environ.get("DEJAVU_CFLAGS", ""),
-                   cpu_model=_cpu_model(),
+                   cpu_model="{cpu}, {isa}".format(**cpu_info()),
                    thp_mem_alloc=os.environ.get("THP_MEM_ALLOC_ENABLE"), cpu_fused_gather=_FUSED["enabled"],
                    cpu_c_kernel=device.type == "cpu" and native.available(),
                    c_kernel_prefetch=native.prefetch_default() if device.type == "cpu" and native.available() else None)

@@ -37,25 +37,6 @@ import torch
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
-def cpu_flags() -> dict:
-    """The CPU model, family and model numbers, and which vector extensions the kernels' paths use
-    (from the first processor's block of /proc/cpuinfo)."""
-    fields = {}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                if not line.strip():
-                    break
-                key, _, value = line.partition(":")
-                fields[key.strip()] = value.strip()
-    except OSError:
-        pass
-    flags = set(fields.get("flags", "").split())
-    cpu = f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
-    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
-    return {"cpu": cpu, "isa": isa, "avx512_vnni": "avx512_vnni" in flags}
-
-
 class CountingBackend:
     """A backend that counts the graphs it compiles (a variant past Dynamo's recompile limit would
     silently run eager: zero graphs)."""
@@ -145,9 +126,12 @@ def main(argv=None) -> int:
     from dejavu_compile.cli import BUNDLED, DEMO_PROMPT, _default_plan_dir, load_or_calibrate, machine
     from dejavu_compile.assets.models import load_smollm2
     from dejavu_compile.compiler.prepare import prepare_model
+    from dejavu_compile.evaluation.bench import cpu_info
     from dejavu_compile.kernels.cpu import native
 
-    info = {**machine(), **cpu_flags(), "kernel_tuning": native.tuning(),
+    cpu = cpu_info()
+    info = {**machine(), "cpu": cpu["cpu"], "isa": cpu["isa"], "avx512_vnni": cpu["avx512_vnni"],
+            "kernel_tuning": native.tuning(),
             "new_tokens": args.new_tokens, "repeats": args.repeats}
     print(f"machine: {info}")
     model, tok = load_smollm2()

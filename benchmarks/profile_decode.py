@@ -51,12 +51,12 @@ def main(argv=None) -> int:
     from dejavu_compile.cli import BUNDLED, DEMO_PROMPT, _default_plan_dir, load_or_calibrate
     from dejavu_compile.compiler.prepare import prepare_model
     from dejavu_compile.evaluation.bandwidth import bandwidth_bound
-    from dejavu_compile.evaluation.bench import compiled_forward, machine_description
+    from dejavu_compile.evaluation.bench import compiled_forward, cpu_info, machine_description
 
     model, tok = load_smollm2()
     model.eval()
     ids = tok(DEMO_PROMPT, return_tensors="pt").input_ids
-    print(f"machine: {machine_description()}; {_cpu()}")
+    print("machine: {}; {cpu}, {isa}".format(machine_description(), **cpu_info()))
     if args.layout:
         prepared = copy.deepcopy(model)
         prepare_model(prepared)
@@ -105,17 +105,6 @@ def main(argv=None) -> int:
         for category, share in sorted(categories.items(), key=lambda kv: -kv[1]):
             print(f"  {category:<28}{1e3 * share * plain_step:5.1f} ms ({share:.0%})")
     return 0
-
-
-def _cpu() -> str:
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from peers import cpu_flags
-
-    info = cpu_flags()
-    return f"{info['cpu']}, {info['isa']}"
 
 
 def streaming_rate(model) -> float:

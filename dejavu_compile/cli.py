@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import textwrap
 from pathlib import Path
@@ -232,20 +231,11 @@ def _add_plan_args(ap) -> None:
 # ------------------------------------------------------------------------------ demo and bench
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine() -> dict:
+    from dejavu_compile.evaluation.bench import cpu_info
+
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    return {"cpu": _cpu_name(), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+    return {"cpu": cpu_info()["name"], "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "torch": torch.__version__,
             "accelerator": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "load_average": round(load, 2)}

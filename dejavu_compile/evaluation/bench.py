@@ -69,6 +69,26 @@ def measure_decode(model, ids: torch.Tensor, variants: list[Variant], new_tokens
     return results
 
 
+def cpu_info() -> dict:
+    """The CPU from the first processor's block of /proc/cpuinfo: its model name, the name with family
+    and model numbers ("cpu"), and the widest vector extension the C kernels use ("isa")."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    flags = set(fields.get("flags", "").split())
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    return {"name": name, "cpu": f"{name} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})",
+            "isa": "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other",
+            "avx512_vnni": "avx512_vnni" in flags}
+
+
 def machine_description() -> str:
     return (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
             f"torch {torch.__version__}, {'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}")

@@ -1,9 +1,9 @@
 """``greedy_decode``: greedy generation over a static cache with nothing between two decode steps but
 the model call and an argmax.
 
-``model.generate`` spends several milliseconds of Python per token around the forward call
-(logits processors, stopping criteria, keyword bookkeeping: ``benchmarks/profile_decode.py``
-measures it), which is a large share of a small model's step once the step itself is fast. This
+``model.generate`` runs Python around each forward call (logits processors, stopping criteria,
+keyword bookkeeping), a visible share of a small model's step once the step itself is fast
+(``benchmarks/peers.py`` measures both loops on the same compiled forward). This
 loop gives the same tokens as ``generate(do_sample=False, cache_implementation="static")`` for
 decoder-only Hugging Face models without padding.
 """

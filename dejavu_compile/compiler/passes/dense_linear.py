@@ -1,9 +1,8 @@
 """The dense projections of a CPU decode graph through the backend's GEMV kernel.
 
 At decode shapes (a few rows of activations) a projection is a GEMV, and reading its weight is all
-the work. Torch's GEMM path reaches about a third of the memory bandwidth on these shapes
-(``benchmarks/profile_decode.py``); ``dejavu::cpu_linear`` (kernels/cpu/cpu_ops.cpp) streams each
-weight once at close to it. This pass rewrites every projection that is left in the graph after
+the work. Torch's GEMM path reads these small weights well below the memory bandwidth (measured in
+``benchmarks/README.md``); ``dejavu::cpu_linear`` (kernels/cpu/cpu_ops.cpp) streams each weight once. This pass rewrites every projection that is left in the graph after
 the sparsity passes (attention projections, dense MLPs, the output head; with no plan, all of
 them) into that op. Exact: every product is summed, only the summation order differs.
 
@@ -20,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from dejavu_compile.compiler.passes.graph_utils import example_value, find_linears
-from dejavu_compile.compiler.passes.guards import training_reason
+from dejavu_compile.compiler.passes.guards import needs_gradients, training_reason
 
 # Rows of input up to which the op runs its GEMV kernels (kMaxGemvRows in cpu_ops.cpp); a prefill
 # graph's projections keep Inductor's GEMM.
@@ -65,9 +64,7 @@ class DenseLinearPass:
         ctx.count(self.name, 0)
         if ctx.opts.get("dense_lowering", "auto") == "aten" or ctx.opts.get("simulate"):
             return gm
-        if training_reason(gm, ctx.example_inputs) is not None or (
-                torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad
-                                                for v in ctx.example_inputs)):
+        if training_reason(gm, ctx.example_inputs) is not None or needs_gradients(ctx.example_inputs):
             return gm
         lowerings = []
         for lin in find_linears(gm).values():

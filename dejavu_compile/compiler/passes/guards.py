@@ -25,6 +25,11 @@ def training_reason(gm: fx.GraphModule, example_inputs) -> str | None:
     return None
 
 
+def needs_gradients(example_inputs) -> bool:
+    """Grad mode is on and an input (parameters included) requires grad: the backend's ops have no backward."""
+    return torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad for v in example_inputs)
+
+
 class TrainingGuard:
     """Training graphs and graphs that need gradients stay dense (the sparse ops have no backward),
     with a warning. Without a plan only the training mode is checked (the report still says so)."""
@@ -33,8 +38,7 @@ class TrainingGuard:
 
     def __call__(self, gm, ctx):
         reason = training_reason(gm, ctx.example_inputs)
-        if reason is None and ctx.plan is not None and torch.is_grad_enabled() and any(
-                isinstance(v, torch.Tensor) and v.requires_grad for v in ctx.example_inputs):
+        if reason is None and ctx.plan is not None and needs_gradients(ctx.example_inputs):
             reason = "gradients are enabled (sparse ops have no backward; use torch.no_grad())"
         ctx.count(self.name, int(reason is not None))
         if reason is not None:

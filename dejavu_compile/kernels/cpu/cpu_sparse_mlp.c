@@ -76,7 +76,7 @@ static inline void sum_partials(const float *scratch, int64_t width, const float
    mlp_prefetch_rows neurons ahead (the start of a row is what the hardware prefetcher cannot guess;
    prefetching whole rows competes with the demand reads). The dense GEMV's: the row
    linear_prefetch_rows ahead (0: none, the hardware prefetcher alone). native.py measures them once
-   per build and machine (tune()) and sets them here; these defaults hold until then. The sparse
+   per build and machine (machine_tuning) and sets them here; these defaults hold until then. The sparse
    MLP's callers pass -1 to use them; benchmarks/kernels.py --prefetch-sweep passes others. */
 typedef struct {
     int64_t mlp_prefetch_rows, mlp_prefetch_bytes, linear_prefetch_rows;

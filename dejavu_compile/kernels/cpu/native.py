@@ -204,7 +204,8 @@ def machine_tuning(lib, path: Path) -> dict:
     compiled defaults."""
     import json
 
-    defaults = {"mlp_prefetch_rows": 4, "mlp_prefetch_bytes": 256, "linear_prefetch_rows": 0}
+    compiled = (ctypes.c_int64 * 3).in_dll(lib, "dejavu_tuning")  # the C struct's three int64 fields, in order
+    defaults = dict(zip(("mlp_prefetch_rows", "mlp_prefetch_bytes", "linear_prefetch_rows"), compiled))
     if os.environ.get("DEJAVU_CPU_TUNE", "1") == "0":
         return defaults
     try:
