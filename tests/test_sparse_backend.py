@@ -324,7 +324,7 @@ def test_int4_predictor_decode_matches_masked_reference(batch, lookahead):
     for options, graph, predictors in _graphs_matching_masked_reference(model, plan, _ids(batch, 1)):
         assert len(predictors) == 2 and all(n.meta["dejavu"]["lookahead"] == lookahead for n in predictors)
         consts = [n for n in graph.nodes if n.op == "placeholder" and n.name.endswith("_codes")]
-        assert len(consts) == 2 and all(n.meta["val"].dtype == torch.uint8 for n in consts), options
+        assert len(consts) == 2 and all(n.meta["example_value"].dtype == torch.uint8 for n in consts), options
 
 
 def test_simulation_is_per_token_on_prefill():
@@ -472,3 +472,17 @@ def test_added_inputs_reach_inductor_as_fixed_shape_fakes():
     assert isinstance(fake, FakeTensor) and fake.fake_mode is mode
     assert fake.dtype == torch.uint8 and all(type(size) is int for size in fake.shape) and fake.shape == codes.shape
     assert _static_examples([codes])[0] is codes
+
+
+def test_plans_compile_under_inductors_cpp_wrapper():
+    """Inductor's cpp_wrapper takes the graph's example inputs from the placeholders' "val" metadata
+    as soon as one placeholder carries it. Dynamo's placeholders carry none, so the predictor tensors
+    a pass adds must not either: otherwise every parameter reaches AOT tracing as None."""
+    model = tiny_model("llama", intermediate=320)
+    plan = _int8_plan(model, 0.4, values="predictor")
+    ids = _ids(1, 1)
+    expected = predictor_values_reference(model, plan, ids)
+    with torch.no_grad():
+        got, report = _sparse_logits(model, plan, ids, {"inductor_config": {"cpp_wrapper": True}})
+    assert report.extra_bytes > 0 and report.rewritten  # the predictors travel as added inputs
+    assert describe_difference("logits", got, expected, rtol=1e-4, atol=1e-4) is None

@@ -28,8 +28,8 @@ def add_constant(gm: fx.GraphModule, graph: fx.Graph, name: str, tensor: torch.T
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
     with graph.inserting_after(last):
         node = graph.placeholder(name.replace(".", "_"))
-    node.meta["example_value"] = tensor
-    node.meta["val"] = tensor
+    node.meta["example_value"] = tensor  # as on Dynamo's placeholders; no "val": with one placeholder
+    # carrying "val", Inductor's cpp_wrapper takes every example input from that key (None for Dynamo's)
     node._dynamo_source = None  # not from user code (AOTAutograd accepts a None source)
     node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}  # static for CUDA graphs
     extra.append(tensor)

@@ -146,9 +146,10 @@ at::Tensor glu_int8_scores(const at::Tensor& x_in, const at::Tensor& w_int8, con
   at::Tensor scores = at::empty({nb, n}, x.options());
   at::Tensor x_int16 = at::empty({nb, d}, x.options().dtype(at::kShort));
   at::Tensor x_scale = at::empty({nb}, x.options());
+  at::Tensor gate_up = at::empty({nb, 2 * n}, x.options());
   dejavu_glu_int8_scores_f32(x.data_ptr<float>(), nb, d, w_int8.data_ptr<int8_t>(), scale.data_ptr<float>(), n,
                              act, signed_values, scores.data_ptr<float>(), x_int16.data_ptr<int16_t>(),
-                             x_scale.data_ptr<float>(), at::get_num_threads());
+                             x_scale.data_ptr<float>(), gate_up.data_ptr<float>(), at::get_num_threads());
   return scores;
 }
 

@@ -142,49 +142,45 @@ void dejavu_sparse_mlp_f32(const float *x, int64_t nb, int64_t d, int64_t d_out,
     }
 }
 
-/* Four int8 rows dotted with x quantized to int16, products summed in int32; the four accumulators
-   share each load of x. With AVX-512 (AVX2) one multiply-add instruction takes 32 (16) int16 pairs
-   (VNNI fuses the add). Integer multiply-adds keep the GEMV memory bound; converting each int8 to
-   fp32 instead makes it compute bound. */
-static inline void dot4_i8(const int8_t *restrict w0, const int8_t *restrict w1, const int8_t *restrict w2,
-                           const int8_t *restrict w3, const int16_t *restrict x, int64_t n, int32_t *out) {
+/* One int8 row dotted with x quantized to int16, products summed in int32. With AVX-512 (AVX2) one
+   multiply-add instruction takes 32 (16) int16 pairs (VNNI fuses the add). Integer multiply-adds keep
+   the GEMV memory bound; converting each int8 to fp32 instead makes it compute bound. Callers go one
+   row at a time: walking several rows side by side (sharing each load of x) read the weights from
+   memory at about half the rate of a single stream, and x is in L1 anyway. */
+static inline int32_t dot_i8(const int8_t *restrict w, const int16_t *restrict x, int64_t n) {
     int64_t i = 0;
-    int32_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    int32_t s = 0;
 #if defined(__AVX512BW__)
-    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-    for (; i + 32 <= n; i += 32) {
-        const __m512i xv = _mm512_loadu_si512((const void *)(x + i));
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0;
 #if defined(__AVX512VNNI__)
-#define DEJAVU_MADD(acc, w) acc = _mm512_dpwssd_epi32(acc, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w))), xv)
+#define DEJAVU_MADD(acc, p, xv) acc = _mm512_dpwssd_epi32(acc, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p))), xv)
 #else
-#define DEJAVU_MADD(acc, w) acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w))), xv))
+#define DEJAVU_MADD(acc, p, xv) acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p))), xv))
 #endif
-        DEJAVU_MADD(a0, w0 + i);
-        DEJAVU_MADD(a1, w1 + i);
-        DEJAVU_MADD(a2, w2 + i);
-        DEJAVU_MADD(a3, w3 + i);
+    for (; i + 64 <= n; i += 64) {
+        DEJAVU_MADD(a0, w + i, _mm512_loadu_si512((const void *)(x + i)));
+        DEJAVU_MADD(a1, w + i + 32, _mm512_loadu_si512((const void *)(x + i + 32)));
+    }
+    for (; i + 32 <= n; i += 32) DEJAVU_MADD(a0, w + i, _mm512_loadu_si512((const void *)(x + i)));
 #undef DEJAVU_MADD
-    }
-    s0 = _mm512_reduce_add_epi32(a0), s1 = _mm512_reduce_add_epi32(a1);
-    s2 = _mm512_reduce_add_epi32(a2), s3 = _mm512_reduce_add_epi32(a3);
+    s = _mm512_reduce_add_epi32(_mm512_add_epi32(a0, a1));
 #elif defined(__AVX2__)
-    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-    for (; i + 16 <= n; i += 16) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + i));
-        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w0 + i))), xv));
-        a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w1 + i))), xv));
-        a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w2 + i))), xv));
-        a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w3 + i))), xv));
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0;
+#define DEJAVU_MADD(acc, p, xp) \
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p))), \
+                                                   _mm256_loadu_si256((const __m256i *)(xp))))
+    for (; i + 32 <= n; i += 32) {
+        DEJAVU_MADD(a0, w + i, x + i);
+        DEJAVU_MADD(a1, w + i + 16, x + i + 16);
     }
-    int32_t lanes[4][8];
-    _mm256_storeu_si256((__m256i *)lanes[0], a0), _mm256_storeu_si256((__m256i *)lanes[1], a1);
-    _mm256_storeu_si256((__m256i *)lanes[2], a2), _mm256_storeu_si256((__m256i *)lanes[3], a3);
-    for (int l = 0; l < 8; l++) s0 += lanes[0][l], s1 += lanes[1][l], s2 += lanes[2][l], s3 += lanes[3][l];
+    for (; i + 16 <= n; i += 16) DEJAVU_MADD(a0, w + i, x + i);
+#undef DEJAVU_MADD
+    int32_t lanes[8];
+    _mm256_storeu_si256((__m256i *)lanes, _mm256_add_epi32(a0, a1));
+    for (int l = 0; l < 8; l++) s += lanes[l];
 #endif
-    for (; i < n; i++) {
-        s0 += w0[i] * x[i], s1 += w1[i] * x[i], s2 += w2[i] * x[i], s3 += w3[i] * x[i];
-    }
-    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+    for (; i < n; i++) s += w[i] * x[i];
+    return s;
 }
 
 /* x scaled to int16 so that its dot product with any int8 row of d entries fits in int32:
@@ -218,54 +214,38 @@ static inline float dequantize(float row_scale, float x_inv_scale, int32_t dot) 
 }
 
 /* out[b, r] = scale[r] * (w[r] . x_b) for r < n_rows: an int8 GEMV (w: (n_rows, d) int8, rows d
-   apart; x: (nb, d) contiguous; out: (nb, n_rows)). Scratch: nb * d int16 and nb floats. Rows go
-   four at a time, each read once for all rows of x. */
+   apart; x: (nb, d) contiguous; out: (nb, n_rows)). Scratch: nb * d int16 and nb floats. Each thread
+   streams one contiguous share of the rows, each row read once for all rows of x. */
 void dejavu_int8_linear_f32(const float *x, int64_t nb, int64_t d, const int8_t *w, int64_t n_rows,
                             const float *scale, float *out, int16_t *xq, float *inv, int n_threads) {
     quantize_rows(x, nb, d, xq, inv);
-    const int64_t quads = (n_rows + 3) / 4;
 #pragma omp parallel for num_threads(n_threads) schedule(static)
-    for (int64_t q = 0; q < quads; q++) {
-        int64_t r[4];
-        for (int i = 0; i < 4; i++) r[i] = 4 * q + i < n_rows ? 4 * q + i : n_rows - 1;  /* the tail repeats */
-        for (int64_t b = 0; b < nb; b++) {
-            int32_t h[4];
-            dot4_i8(w + r[0] * d, w + r[1] * d, w + r[2] * d, w + r[3] * d, xq + b * d, d, h);
-            for (int i = 0; i < 4; i++) out[b * n_rows + r[i]] = dequantize(scale[r[i]], inv[b], h[i]);
-        }
-    }
+    for (int64_t r = 0; r < n_rows; r++)
+        for (int64_t b = 0; b < nb; b++) out[b * n_rows + r] = dequantize(scale[r], inv[b], dot_i8(w + r * d, xq + b * d, d));
 }
 
 /* The int8 predictor's scores (plan entries "glu_int8"): for each neuron j < n_neurons,
    scores[b, j] = |act(g) * u|, g = a[j] * (w[j].x_b), u = a[F + j] * (w[F + j].x_b), F = n_neurons:
-   what dejavu_int8_linear_f32 followed by the activation computes, in one pass.
+   what dejavu_int8_linear_f32 followed by the activation computes, and computed that way: the
+   weights are cold on each call, and a thread reading one contiguous share of all 2F rows (gate
+   then up) is what the hardware prefetcher follows best; walking gate and up rows side by side
+   read them at half the streaming rate.
 
    w: (2F, d) int8, the gate rows then the up rows; a: (2F,) per-row scales; x: (nb, d) contiguous;
-   scratch: nb * d int16 and nb floats; scores: (nb, F) contiguous. Neurons go two at a time (their
-   gate and up rows: four dot products per pass over x). A row of x holding a NaN or an infinity gets
-   NaN scores. signed_values: store act(g) * u itself (plan entries with values "predictor" use it
-   as the kept neurons' values); the scores are its magnitude. */
+   scratch: nb * d int16, nb floats and nb * 2F floats (gu: g and u); scores: (nb, F) contiguous. A
+   row of x holding a NaN or an infinity gets NaN scores. signed_values: store act(g) * u itself
+   (plan entries with values "predictor" use it as the kept neurons' values); the scores are its
+   magnitude. */
 void dejavu_glu_int8_scores_f32(const float *x, int64_t nb, int64_t d, const int8_t *w, const float *a,
                                 int64_t n_neurons, int activation, int signed_values, float *scores, int16_t *xq,
-                                float *inv, int n_threads) {
-    quantize_rows(x, nb, d, xq, inv);
-    const int64_t pairs = (n_neurons + 1) / 2, F = n_neurons;
+                                float *inv, float *gu, int n_threads) {
+    const int64_t F = n_neurons;
+    dejavu_int8_linear_f32(x, nb, d, w, 2 * F, a, gu, xq, inv, n_threads);
 #pragma omp parallel for num_threads(n_threads) schedule(static)
-    for (int64_t p = 0; p < pairs; p++) {
-        const int64_t j0 = 2 * p, j1 = j0 + 1 < F ? j0 + 1 : j0;  /* odd F: the last pair repeats */
-        if (j0 + 9 < F) {  /* the gate and up rows 4 pairs ahead: the weights are cold on each call */
-            const char *g = (const char *)(w + (j0 + 8) * d), *u = (const char *)(w + (F + j0 + 8) * d);
-            for (int64_t o = 0; o < 2 * d; o += 64) __builtin_prefetch(g + o, 0, 3), __builtin_prefetch(u + o, 0, 3);
-        }
+    for (int64_t j = 0; j < F; j++) {
         for (int64_t b = 0; b < nb; b++) {
-            int32_t h[4];
-            dot4_i8(w + j0 * d, w + (F + j0) * d, w + j1 * d, w + (F + j1) * d, xq + b * d, d, h);
-            const float c = inv[b];
-            float *row = scores + b * F;
-            const float v0 = activate(dequantize(a[j0], c, h[0]), activation) * dequantize(a[F + j0], c, h[1]);
-            const float v1 = activate(dequantize(a[j1], c, h[2]), activation) * dequantize(a[F + j1], c, h[3]);
-            row[j0] = signed_values ? v0 : fabsf(v0);
-            row[j1] = signed_values ? v1 : fabsf(v1);
+            const float v = activate(gu[b * 2 * F + j], activation) * gu[b * 2 * F + F + j];
+            scores[b * F + j] = signed_values ? v : fabsf(v);
         }
     }
 }
