@@ -9,7 +9,8 @@ Variants (fp32, batch 1, greedy, static cache, the same prompt):
 - dejavu exact: the backend with no plan, every layer dense (projections through its GEMV kernel);
 - dejavu default plan: the plan ``dejavu-compile demo`` uses (calibrated on first use, then cached);
 - both dejavu variants again through ``dejavu_compile.greedy_decode`` (the same compiled forward, a
-  greedy loop without ``generate()``'s per-token Python);
+  greedy loop without ``generate()``'s per-token Python), and through it with ``skip_guards=True``
+  (Dynamo's guards skipped after the second decode step);
 - llama.cpp through llama-cpp-python, when it is installed (``pip install -e .[peers]``; it builds
   llama.cpp from source), on the same weights: the bundled Q4_1 GGUF requantized to F32 (the values
   the torch variants run) and to Q8_0.
@@ -151,13 +152,15 @@ def main(argv=None) -> int:
     from dejavu_compile.evaluation.decode import greedy_decode
 
     lean = {f"{name}, greedy_decode": name for name in forwards if name.startswith("dejavu")}
+    unguarded = {f"{name}, greedy_decode, guards skipped": name for name in forwards if name.startswith("dejavu")}
+    lean.update(unguarded)
 
     def run_torch(name, n):
         model.forward = forwards[lean.get(name, name)]
         try:
             start = time.perf_counter()
             if name in lean:
-                out = greedy_decode(model, ids, n)
+                out = greedy_decode(model, ids, n, skip_guards=name in unguarded)
             else:
                 with torch.no_grad():
                     out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,

@@ -50,3 +50,36 @@ def test_bad_arguments_are_named(bad):
     kwargs = {"input_ids": torch.tensor([[5, 6]]), "max_new_tokens": 2, **bad}
     with pytest.raises(ValueError, match="max_new_tokens|input_ids"):
         dejavu_compile.greedy_decode(model, kwargs["input_ids"], kwargs["max_new_tokens"])
+
+
+def test_skipped_guards_give_the_same_tokens_and_only_after_a_step_compiled_nothing(monkeypatch):
+    """skip_guards: the same tokens, with the guards skipped from the third decode step on, and kept
+    in a call whose second decode step compiled a graph."""
+    from dejavu_compile.evaluation import decode
+
+    model = tiny_model("llama", layers=2)
+    ids = torch.randint(3, 100, (1, 4), generator=torch.Generator().manual_seed(3))
+    expected = greedy_generate(model, ids, new_tokens=6, cache="static")
+    stances = []
+    set_stance = torch.compiler.set_stance
+
+    def recording_set_stance(*args, **kwargs):
+        stances.append(kwargs.get("skip_guard_eval_unsafe"))
+        return set_stance(*args, **kwargs)
+
+    monkeypatch.setattr(torch.compiler, "set_stance", recording_set_stance)
+    original = model.forward
+    model.forward = torch.compile(original, backend="dejavu", options={"inner": "eager"})
+    try:
+        first = dejavu_compile.greedy_decode(model, ids, 6, skip_guards=True)  # compiles prefill, then decode
+        longer = dejavu_compile.greedy_decode(model, torch.cat([ids, ids], 1), 6, skip_guards=True)  # a new prefill
+        assert stances == [True, True]
+        graphs = iter(range(100))
+        monkeypatch.setattr(decode, "_compiled_graphs", lambda: next(graphs))  # as if every step compiled
+        third = dejavu_compile.greedy_decode(model, ids, 6, skip_guards=True)
+        assert stances == [True, True]
+    finally:
+        model.forward = original
+        torch._dynamo.reset()
+    assert torch.equal(first, expected) and torch.equal(third, expected)
+    assert torch.equal(longer, greedy_generate(model, torch.cat([ids, ids], 1), new_tokens=6, cache="static"))
