@@ -139,7 +139,7 @@ def _one_line_error(capsys, argv, *expected):
     return lines[-1]
 
 
-@pytest.mark.slow  # Inductor compiles three variants
+@pytest.mark.slow  # Inductor compiles four variants
 def test_calibrate_and_bench_a_local_model(local, tmp_path, capsys):
     model_dir, plan_dir = local
     assert (plan_dir / "plan.json").exists()
@@ -150,13 +150,13 @@ def test_calibrate_and_bench_a_local_model(local, tmp_path, capsys):
                  "--eval-tokens", "64", "--threads", "1", "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     assert "model: tinyllama (llama)" in out and "loaded the plan from" in out
-    for row in ("HF eager", "Inductor dense", "dejavu", "held-out perplexity (wiki", "held-out perplexity (news",
+    for row in ("HF eager", "Inductor dense", "dejavu exact", "dejavu", "held-out perplexity (wiki", "held-out perplexity (news",
                 "machine: ", "1 threads"):
         assert row in out, row
     assert "first words of each output" not in out  # bench: the table only
     record = json.loads(out_json.read_text())
     assert record["model"] == "tinyllama (llama)" and record["new_tokens"] == 4
-    assert set(record["speed"]) == {"HF eager", "Inductor dense", "dejavu"}
+    assert set(record["speed"]) == {"HF eager", "Inductor dense", "dejavu exact", "dejavu"}
     assert record["perplexity"]["wiki"]["dense"] > 1 and record["machine"]["threads"] == 1
     assert _snapshot(plan_dir) == before  # loading a plan leaves it as it was
 
