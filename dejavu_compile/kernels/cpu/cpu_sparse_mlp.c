@@ -146,7 +146,7 @@ void dejavu_sparse_mlp_f32(const float *x, int64_t nb, int64_t d, int64_t d_out,
    multiply-add instruction takes 32 (16) int16 pairs (VNNI fuses the add). Integer multiply-adds keep
    the GEMV memory bound; converting each int8 to fp32 instead makes it compute bound. Callers go one
    row at a time: walking several rows side by side (sharing each load of x) read the weights from
-   memory at about half the rate of a single stream, and x is in L1 anyway. */
+   memory well below the rate of a single stream, and x is in L1 anyway. */
 static inline int32_t dot_i8(const int8_t *restrict w, const int16_t *restrict x, int64_t n) {
     int64_t i = 0;
     int32_t s = 0;
