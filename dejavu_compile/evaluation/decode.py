@@ -24,8 +24,8 @@ def greedy_decode(model, input_ids: torch.LongTensor, max_new_tokens: int, *, eo
     backend) before calling; the loop itself runs under ``torch.no_grad()``.
 
     ``skip_guards=True`` runs the decode steps after the second without Dynamo's guard checks
-    (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``; on a Hugging Face model the guards
-    cost about a millisecond per call). Every decode step passes inputs of the same types and shapes,
+    (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``; what the guards cost on a Hugging
+    Face model: ``benchmarks/profile_decode.py``). Every decode step passes inputs of the same types and shapes,
     so the graph the second step ran is the one the guards would pick, provided that step compiled
     nothing new (it is checked: otherwise the guards stay on). Unsafe in torch's sense: a model whose
     forward specializes on a value that changes from step to step would silently reuse a stale graph.

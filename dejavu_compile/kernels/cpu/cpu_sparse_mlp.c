@@ -229,7 +229,7 @@ void dejavu_int8_linear_f32(const float *x, int64_t nb, int64_t d, const int8_t 
    what dejavu_int8_linear_f32 followed by the activation computes, and computed that way: the
    weights are cold on each call, and a thread reading one contiguous share of all 2F rows (gate
    then up) is what the hardware prefetcher follows best; walking gate and up rows side by side
-   read them at half the streaming rate.
+   read them well below the streaming rate.
 
    w: (2F, d) int8, the gate rows then the up rows; a: (2F,) per-row scales; x: (nb, d) contiguous;
    scratch: nb * d int16, nb floats and nb * 2F floats (gu: g and u); scores: (nb, F) contiguous. A
