@@ -18,7 +18,7 @@ import torch
 DEMO_PROMPT = "The history of the city begins in the Roman period, when"
 BUNDLED = "smollm2"
 # Bumped when the default calibration changes: a plan cached by an older default is not reused.
-DEFAULT_PLAN_VERSION = "v6"
+DEFAULT_PLAN_VERSION = "v7"
 PLAN_FILES = ("plan.json", "predictors.safetensors")
 
 

@@ -46,7 +46,7 @@ def test_passes_run_in_order_and_count_what_they_did():
     opts = backend.validate_options({"plan": plan, "inner": "eager", "cpu_lowering": "op"})
     passes = default_passes(opts)
     assert [p.name for p in passes] == ["match", "training_guard", "auto_plan", "plan_check", "weights_check",
-                                        "decode_shape", "sparse_mlp", "sparse_attention"]
+                                        "decode_shape", "sparse_mlp", "sparse_attention", "head_screen"]
     report = backend.BackendReport("test")
     ctx = PassContext(list(inputs), opts, report)
     split = [p.name for p in passes].index("sparse_mlp")
@@ -65,6 +65,7 @@ def test_passes_run_in_order_and_count_what_they_did():
     assert ops == [torch.ops.dejavu.sparse_gated_mlp.default] * layers
     assert len(find_linears(gm)) == linears_before - 3 * layers  # gate, up, down of each MLP
     assert report.pass_counts["sparse_mlp"] == layers and report.pass_counts["sparse_attention"] == 0
+    assert report.pass_counts["head_screen"] == 0  # the plan keeps the head dense
     assert not ctx.stopped
 
 

@@ -36,7 +36,13 @@ from dejavu_compile.plan import predictors
 from dejavu_compile.plan.predictors.metrics import mass_captured, mass_curve, recall
 from dejavu_compile.plan.predictors.registry import FitInputs
 from dejavu_compile.plan.predictors.twolayer import train_predictor
-from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan, model_fingerprint
+from dejavu_compile.plan.sparsity_plan import (
+    PlanEntry,
+    SparsityPlan,
+    check_head_candidates,
+    default_head_candidates,
+    model_fingerprint,
+)
 
 # calibrate's `predictor` option -> (kind for gated MLPs, kind for plain MLPs or None: gated only)
 PREDICTOR_OPTIONS = {"lowrank": ("glu_lowrank", "twolayer"), "int8": ("glu_int8", None), "int4": ("glu_int4", None)}
@@ -121,6 +127,7 @@ def calibrate(
     values: str = "auto",
     train_steps: int = 400,
     dense_when_unprofitable: bool = True,
+    head_candidates: int | None = None,
     progress: bool = True,
     seed: int = 0,
     samples=None,
@@ -154,6 +161,9 @@ def calibrate(
         sparse block then reads only the kept rows of its down projection; int8 only) or "auto"
         ("predictor" with the int8 predictor, else "exact").
     train_steps: optimizer steps of each trained (plain-MLP) predictor; more steps, better recall.
+    head_candidates: decode steps compute the output head from an int8 copy of its weight and
+        recompute the logits of the top `head_candidates` tokens of each row exactly (0: the head
+        stays dense). None: 64 when the head has at least 4,096 rows (``default_head_candidates``).
     max_ppl_increase: instead of `mlp_density`, the lowest density (grid of 0.05) whose perplexity
         increase on the held-out calibration tokens stays within this relative budget (e.g. 0.03).
     warn_ppl_increase: the plan's perplexity increase on the held-out calibration tokens (the last
@@ -166,6 +176,9 @@ def calibrate(
         several densities from one fit (attention density stays `attn_density`).
     """
     _check_choices(predictor, values, allocation)
+    head = model.get_output_embeddings()
+    head_k = default_head_candidates(None if head is None else head.weight.shape[0]) if head_candidates is None \
+        else check_head_candidates(head_candidates)
     t0 = time.time()
     if samples is not None and max_ppl_increase is not None:
         raise ValueError("max_ppl_increase measures plans on calibration tokens held out from collection; with "
@@ -187,6 +200,7 @@ def calibrate(
         kmlp, katt = allocate_k(fits, options, density, attn_density, dense_when_unprofitable)
         entries = build_entries(fits, data, options, kmlp, katt)
         settings = record_settings(options, data.mlp_blocks, fits, density, facts, time.time() - t0)
+        settings["head_candidates"] = head_k
         return SparsityPlan(entries, fingerprint, settings)
 
     if return_builder:  # one fit, many densities (benchmarks)

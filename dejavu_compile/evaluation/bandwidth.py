@@ -8,7 +8,8 @@ from dejavu_compile.compiler.passes.sparse_attention import dense_query_reason, 
 def bandwidth_bound(model, plan) -> float:
     """Dense weight bytes per decode step over the bytes the plan reads (kept MLP rows, only their
     down rows when the plan takes their values from the int8 predictor, kept heads' query and output
-    rows, all other weights, and the predictors): the speedup a purely
+    rows, all other weights, and the predictors; a screened output head reads its int8 copy and the
+    rows of its candidates): the speedup a purely
     bandwidth-bound decoder could reach. (KV-cache reads are left out: small at the short contexts
     benchmarked here.) Attention blocks and query projections count as sparse exactly where the
     backend lowers them so (``sparsify_attention.dense_reason`` / ``dense_query_reason``)."""
@@ -43,4 +44,8 @@ def bandwidth_bound(model, plan) -> float:
             sparse_refs = [block.o] + ([block.q] if dense_query_reason(block) is None else [])
         sparse = sum(ref_bytes(ref) for ref in sparse_refs if ref.name in params)
         saved += sparse * (1.0 - entry.k / entry.total) - entry.read_bytes(element_size)
+    k = plan.head_candidates
+    if head is not None and 0 < k < head.weight.shape[0]:
+        rows, d = head.weight.shape
+        saved += nbytes(head.weight) * (1.0 - k / rows) - rows * (d + 4)  # int8 rows and an fp32 scale each
     return total / (total - saved)

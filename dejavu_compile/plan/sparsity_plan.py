@@ -16,6 +16,10 @@ another checkpoint (a fine-tune) does not; the backend runs the same comparison 
 An entry's `predictor` names a kind in the table of `dejavu_compile.plan.predictors`, which says
 what its tensors are and how they score; None means no predictor (the entry keeps everything).
 
+The output head (``plan.head_candidates``, in the settings): 0 keeps it dense; k > 0 screens it in
+decode graphs with an int8 copy of its weight built at compile time, the top k logits of each token
+recomputed exactly (compiler pass ``head_screen``). Plans without the setting keep it dense.
+
 Values of the kept neurons (entry.values):
     "exact":      the block computes act(gate.x) * (up.x) for its kept neurons from its own weights.
     "predictor":  the kept neurons take the predictor's own act(g~) * u~, which a kind that
@@ -42,6 +46,10 @@ FORMAT_VERSION = 3  # 3: the fingerprint holds a weight sample; 1 and 2 load wit
 READABLE_VERSIONS = (1, 2, 3)
 KINDS = ("mlp", "attention")
 VALUES = ("exact", "predictor")
+# calibrate()'s default screen of the output head: exact logits for the top HEAD_CANDIDATES tokens,
+# on heads of at least HEAD_MIN_ROWS rows (every real tokenizer; a tiny test vocabulary stays exact)
+HEAD_CANDIDATES = 64
+HEAD_MIN_ROWS = 4096
 # Format 1 named the predictor by its nonlinearity; its tensors A/B/a/b map through each kind's v1_names.
 V1_PREDICTORS = {"none": "twolayer", "relu": "twolayer_relu", "glu": "glu_lowrank", "glu_int8": "glu_int8",
                  "glu_int4": "glu_int4", "dense": None}
@@ -102,6 +110,18 @@ class PlanEntry:
     def read_bytes(self, element_size: int) -> int:
         """Bytes the predictor reads per token in a model whose weights take `element_size` bytes."""
         return 0 if self.predictor is None else self.predictor_kind.read_bytes(self.tensors, element_size)
+
+
+def default_head_candidates(head_rows: int | None) -> int:
+    """The output head screen's k for a head of ``head_rows`` rows (None: no head): HEAD_CANDIDATES
+    on a real vocabulary, 0 (dense) below HEAD_MIN_ROWS."""
+    return HEAD_CANDIDATES if head_rows is not None and head_rows >= HEAD_MIN_ROWS else 0
+
+
+def check_head_candidates(k) -> int:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"head_candidates must be an int >= 0 (0: the output head stays dense), got {k!r}")
+    return k
 
 
 def model_fingerprint(model) -> dict[str, Any]:
@@ -270,11 +290,23 @@ class SparsityPlan:
     def num_layers(self) -> int:
         return 1 + max(l for l, _ in self.entries) if self.entries else 0
 
+    @property
+    def head_candidates(self) -> int:
+        """Tokens per decode row whose logits the output head computes exactly from an int8 screen of
+        every row (0: the head stays dense)."""
+        return int(self.settings.get("head_candidates") or 0)
+
+    @head_candidates.setter
+    def head_candidates(self, k: int) -> None:
+        self.settings["head_candidates"] = check_head_candidates(k)
+
     def entry(self, layer: int, kind: str) -> PlanEntry:
         return self.entries[(layer, kind)]
 
     def summary(self) -> str:
-        lines = [f"SparsityPlan: {self.num_layers} layers, MLP density {self.mlp_density:.3f}, attention density {self.attn_density:.3f}"]
+        head = f", output head screened (top {self.head_candidates} exact)" if self.head_candidates else ""
+        lines = [f"SparsityPlan: {self.num_layers} layers, MLP density {self.mlp_density:.3f}, attention density "
+                 f"{self.attn_density:.3f}{head}"]
         for (l, kind), e in sorted(self.entries.items()):
             extra = " ".join(f"{k}={v:.3f}" for k, v in e.stats.items() if isinstance(v, float))
             values = "" if e.values == "exact" else f" values={e.values}"
@@ -388,7 +420,14 @@ class SparsityPlan:
             entries[(layer, kind)] = e
         fingerprint = meta.get("fingerprint", {})
         _validate_weight_sample(fingerprint, meta_path)
-        plan = cls(entries, fingerprint, meta.get("settings", {}))
+        settings = meta.get("settings", {})
+        if not isinstance(settings, dict):
+            raise ValueError(f"{meta_path} is corrupt: 'settings' is not a mapping")
+        try:
+            check_head_candidates(settings.get("head_candidates", 0))
+        except ValueError as err:
+            raise ValueError(f"{meta_path} is corrupt: {err}") from None
+        plan = cls(entries, fingerprint, settings)
         if model is not None:
             plan.check(model)
         return plan

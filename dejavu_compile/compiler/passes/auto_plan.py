@@ -5,7 +5,7 @@ Each matched gated MLP gets the ``glu_int8`` predictor (its own gate/up rows in 
 fitted, so no data is needed) keeping ``mlp_density`` of its neurons, rounded as ``calibrate``'s
 uniform allocation rounds it, and takes the kept neurons' values from the predictor where the block
 has no gate/up biases: the plan ``calibrate(model, tokenizer, mlp_density=...)`` makes by default on
-CPU. Plain MLPs and attention stay dense. Entries are cached per block weights (and their version),
+CPU, output head screen included. Plain MLPs and attention stay dense. Entries are cached per block weights (and their version),
 so a model's prefill, decode and recompiled graphs share one int8 copy.
 
 Without a plan and without ``mlp_density`` the backend compiles dense; it says once how to turn
@@ -21,7 +21,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from dejavu_compile.compiler.blocks import MLPBlock, WeightRef
 from dejavu_compile.plan import predictors
 from dejavu_compile.plan.predictors.glu_int8 import int8_glu_predictor
-from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan
+from dejavu_compile.compiler.passes.head_screen import output_head
+from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan, default_head_candidates
 
 log = logging.getLogger("dejavu_compile")
 
@@ -89,9 +90,10 @@ def gated_entry(block: MLPBlock, values: dict, density: float) -> PlanEntry:
     return entry
 
 
-def training_free_plan(match, values: dict, density: float) -> SparsityPlan:
+def training_free_plan(match, values: dict, density: float, head_rows: int | None = None) -> SparsityPlan:
     """The plan for the blocks of one graph: int8 entries for gated MLPs, dense ones for plain MLPs
-    (reported) and attention. Blocks without a layer index (graph breaks) get none."""
+    (reported) and attention, and calibrate()'s default screen of an output head of ``head_rows``
+    rows. Blocks without a layer index (graph breaks) get none."""
     entries = {}
     for block in match.blocks:
         if block.layer < 0:
@@ -106,7 +108,7 @@ def training_free_plan(match, values: dict, density: float) -> SparsityPlan:
         else:
             entries[(block.layer, "attention")] = PlanEntry(block.layer, "attention", block.num_heads, block.num_heads)
     settings = {"method": "training-free-int8", "predictor": "int8", "values": "auto", "allocation": "uniform",
-                "target_mlp_density": density}
+                "target_mlp_density": density, "head_candidates": default_head_candidates(head_rows)}
     return SparsityPlan(entries, {}, settings)
 
 
@@ -123,7 +125,8 @@ class TrainingFreePlan:
             if ctx.plan is None:
                 _hint_once(ctx.match)
             return gm
-        plan = training_free_plan(ctx.match, ctx.values(gm), density)
+        head = output_head(gm)
+        plan = training_free_plan(ctx.match, ctx.values(gm), density, None if head is None else head.out_features)
         ctx.opts["plan"] = plan
         ctx.count(self.name, sum(1 for e in plan.entries.values() if e.kind == "mlp" and not e.dense))
         return gm

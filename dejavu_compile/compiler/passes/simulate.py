@@ -1,5 +1,6 @@
 """Masked dense simulation of a plan: the same predictors and top-k, applied as 0/1 masks on
-dense blocks (exact per token, any number of tokens: quality evaluation in one prefill pass)."""
+dense blocks (exact per token, any number of tokens: quality evaluation in one prefill pass), and
+the output head's int8 screen (``head_screen.simulate_head``)."""
 from __future__ import annotations
 
 import logging
@@ -11,6 +12,7 @@ import torch.fx as fx
 from dejavu_compile.compiler.blocks import AttentionBlock, MLPBlock
 from dejavu_compile.compiler.passes.graph_build import emit_size, placeholder_values, value_device
 from dejavu_compile.compiler.passes.graph_utils import shape_of
+from dejavu_compile.compiler.passes.head_screen import simulate_head
 from dejavu_compile.compiler.passes.predictor_graph import emit_int8_selection
 from dejavu_compile.compiler.passes.selection import insert_selection, takes_predictor_values
 
@@ -55,6 +57,7 @@ def simulate_plan(gm, match, plan, report, example_inputs, opts) -> fx.GraphModu
         entry = plan.entries.get((block.layer, "attention"))
         if entry is not None and not entry.dense:
             simulate_attention(gm, graph, block, entry, ordered, values, report)
+    simulate_head(gm, plan.head_candidates, values, report)
     graph.lint()
     gm.recompile()
     return gm

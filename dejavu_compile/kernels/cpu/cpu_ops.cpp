@@ -217,6 +217,48 @@ at::Tensor cpu_linear(const at::Tensor& x_in, const at::Tensor& w, const std::op
   return out;
 }
 
+at::Tensor cpu_screened_linear(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& w_int8,
+                               const at::Tensor& scale, int64_t k, const std::optional<at::Tensor>& b) {
+  check_f32_cpu(x_in, "x");
+  TORCH_CHECK(w.dim() == 2 && x_in.dim() >= 1 && x_in.size(-1) == w.size(1), "cpu_screened_linear: x (..., ",
+              w.size(-1), ") and w (n, d) expected, got ", x_in.sizes(), " and ", w.sizes());
+  const int64_t n = w.size(0), d = w.size(1);
+  check_rows(w, "w", n, d);
+  TORCH_CHECK(w_int8.device().is_cpu() && w_int8.scalar_type() == at::kChar && w_int8.dim() == 2 &&
+                  w_int8.size(0) == n && w_int8.size(1) == d && w_int8.is_contiguous(),
+              "w_int8 must be contiguous int8 (", n, ", ", d, ") on the CPU, got ", w_int8.scalar_type(), " ",
+              w_int8.sizes());
+  check_f32_cpu(scale, "scale");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == n && scale.is_contiguous(), "scale must be contiguous (", n,
+              "), got ", scale.sizes());
+  TORCH_CHECK(k >= 1 && k <= n, "k must be in [1, ", n, "], got ", k);
+  TORCH_CHECK(d >= 1, "cpu_screened_linear: w must have at least one column");
+  const float* pb = bias_ptr(b, "b", n);
+  const at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.numel() / std::max<int64_t>(d, 1);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor out = at::empty(shape, x.options());
+  if (rows == 0) return out;
+  at::Tensor x_int16 = at::empty({rows, d}, x.options().dtype(at::kShort));
+  at::Tensor x_scale = at::empty({rows}, x.options());
+  float* o = out.data_ptr<float>();
+  const float* px = x.data_ptr<float>();
+  dejavu_int8_linear_f32(px, rows, d, w_int8.data_ptr<int8_t>(), n, scale.data_ptr<float>(), o,
+                         x_int16.data_ptr<int16_t>(), x_scale.data_ptr<float>(), at::get_num_threads());
+  if (pb)
+    for (int64_t r = 0; r < rows; r++)
+      for (int64_t c = 0; c < n; c++) o[r * n + c] += pb[c];
+  std::vector<int64_t> ids(k);
+  std::vector<float> tmp;
+  for (int64_t r = 0; r < rows; r++) {
+    topk_ascending(o + r * n, n, k, ids.data(), tmp);
+    for (int64_t c : ids)  // cpu_linear's expression for these outputs (dejavu_linear_f32)
+      o[r * n + c] = dot_f32(w.data_ptr<float>() + c * w.stride(0), px + r * d, d) + (pb ? pb[c] : 0.0f);
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dejavu, m) {
@@ -226,6 +268,7 @@ TORCH_LIBRARY_FRAGMENT(dejavu, m) {
   m.def("cpu_glu_int8_mlp(Tensor x, Tensor w_int8, Tensor scale, Tensor w_down_t, int k, str activation, "
         "Tensor? b_down=None) -> (Tensor, Tensor)");
   m.def("cpu_linear(Tensor x, Tensor w, Tensor? b=None) -> Tensor");
+  m.def("cpu_screened_linear(Tensor x, Tensor w, Tensor w_int8, Tensor scale, int k, Tensor? b=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dejavu, CPU, m) {
@@ -233,4 +276,5 @@ TORCH_LIBRARY_IMPL(dejavu, CPU, m) {
   m.impl("cpu_glu_int8_topk", &cpu_glu_int8_topk);
   m.impl("cpu_glu_int8_mlp", &cpu_glu_int8_mlp);
   m.impl("cpu_linear", &cpu_linear);
+  m.impl("cpu_screened_linear", &cpu_screened_linear);
 }

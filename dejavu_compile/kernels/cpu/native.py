@@ -341,3 +341,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("dejavu::cpu_linear")
     def _(x, w, b=None):
         return x.new_empty(*x.shape[:-1], w.shape[0])
+
+    @torch.library.register_fake("dejavu::cpu_screened_linear")
+    def _(x, w, w_int8, scale, k, b=None):
+        if w_int8.dtype != torch.int8 or w_int8.dim() != 2 or scale.dim() != 1:  # sizes: the C++ kernel checks them
+            raise ValueError(f"w_int8 must be int8 (n, d) and scale (n,), got {w_int8.dtype} "
+                             f"{tuple(w_int8.shape)} and {tuple(scale.shape)}")
+        return x.new_empty(*x.shape[:-1], w.shape[0])

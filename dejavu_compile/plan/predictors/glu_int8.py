@@ -29,11 +29,16 @@ def glu_int8_scores(x: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor, a
     return torch.abs(glu_int8_values(x, rows, scales, activation))
 
 
+def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, d) float rows -> ((n, d) int8, (n,) fp32 scales): symmetric, one scale per row."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
 def int8_glu_predictor(gate_weight: torch.Tensor, up_weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """{"rows": (2F, d) int8, "scales": (2F,) fp32} of a gated MLP's gate and up weights (gate rows first)."""
-    w = torch.cat([gate_weight, up_weight]).detach().float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    q, scale = quantize_rows_int8(torch.cat([gate_weight, up_weight]))
     return {"rows": q, "scales": scale}
 
 
