@@ -99,18 +99,22 @@ def int8_values64(x, w_int8, scale, activation):
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**16), batch=st.integers(1, 8), d=st.integers(1, 200), n=st.integers(1, 150),
        d_out=st.integers(1, 90), share=st.floats(0.0, 1.0), activation=st.sampled_from(ACTIVATIONS),
-       bias=st.booleans(), threads=st.sampled_from([1, 2, 3]))
-def test_cpu_glu_int8_mlp_sums_the_predictors_values(seed, batch, d, n, d_out, share, activation, bias, threads):
+       bias=st.booleans(), threads=st.sampled_from([1, 2, 3]), bf16_rows=st.booleans())
+def test_cpu_glu_int8_mlp_sums_the_predictors_values(seed, batch, d, n, d_out, share, activation, bias, threads,
+                                                     bf16_rows):
     """The block from the int8 predictor's own values: it keeps what cpu_glu_int8_topk keeps (the
     same scores), and its output is sum over kept j of act(g~_j) * u~_j * w_down_t[j] (+ b_down),
-    against float64 on the op's ids; k from 1 to F, down widths unlike d, 1-3 threads."""
-    _check_int8_mlp(seed, batch, d, n, d_out, share, activation, bias, threads)
+    against float64 on the op's ids; k from 1 to F, down widths unlike d (every vector tail), 1-3
+    threads, fp32 down rows or a bf16 copy (against the float64 of its bf16 values)."""
+    _check_int8_mlp(seed, batch, d, n, d_out, share, activation, bias, threads, bf16_rows)
 
 
-def _check_int8_mlp(seed, batch, d, n, d_out, share, activation, bias, threads):
+def _check_int8_mlp(seed, batch, d, n, d_out, share, activation, bias, threads, bf16_rows=False):
     x, w_int8, scale = int8_problem(seed, batch, d, n)
     g = torch.Generator().manual_seed(seed + 1)
     w_down_t = torch.randn(n, d_out, generator=g)
+    if bf16_rows:
+        w_down_t = w_down_t.bfloat16()
     b_down = torch.randn(d_out, generator=g) if bias else None
     k = max(1, round(share * n))
     before = torch.get_num_threads()
@@ -223,6 +227,8 @@ def test_bad_input_is_a_clear_error():
     block = torch.ops.dejavu.cpu_glu_int8_mlp
     with pytest.raises(RuntimeError, match="w_down_t must be"):
         block(x, w_int8, scale, torch.zeros(19, 8), 3, "silu")
+    with pytest.raises(RuntimeError, match="w_down_t must be float32 or bfloat16"):
+        block(x, w_int8, scale, torch.zeros(20, 8, dtype=torch.float16), 3, "silu")
     with pytest.raises(RuntimeError, match="b_down must be"):
         block(x, w_int8, scale, torch.zeros(20, 8), 3, "silu", torch.zeros(7))
     with pytest.raises(RuntimeError, match="k must be"):

@@ -214,10 +214,11 @@ def _sparse_logits(model, plan, ids, options):
     return got, reports[-1]
 
 
-def predictor_values_reference(model, plan, ids):
+def predictor_values_reference(model, plan, ids, down_rows=None):
     """Logits of eager with each MLP replaced by what a values="predictor" entry means: the int8
     predictor's act(g~) * u~ (float64, from the dequantized rows) on the top k by magnitude, times
-    the down projection."""
+    the down projection, rounded to bf16 first where the plan's down_rows (or `down_rows`) says so."""
+    down_rows = down_rows or plan.down_rows
     handles = []
     for layer, block in enumerate(model.model.layers):
         entry = plan.entries[(layer, "mlp")]
@@ -229,7 +230,10 @@ def predictor_values_reference(model, plan, ids):
             h = torch.nn.functional.silu(flat @ rows[:entry.total].T) * (flat @ rows[entry.total:].T)
             idx = h.abs().topk(entry.k, dim=-1).indices
             kept = torch.zeros_like(h).scatter(-1, idx, h.gather(-1, idx))
-            return (kept @ module.down_proj.weight.double().T).to(x.dtype).view_as(output)
+            down = module.down_proj.weight
+            if down_rows == "bfloat16":
+                down = down.bfloat16()
+            return (kept @ down.double().T).to(x.dtype).view_as(output)
 
         handles.append(block.mlp.register_forward_hook(replace_mlp))
     return logits_with_hooks(model, ids, handles)
@@ -243,13 +247,16 @@ def test_predictor_values_decode_matches_reference(batch):
     model = tiny_model("llama", intermediate=320)
     plan = _int8_plan(model, 0.4, values="predictor")
     ids = _ids(batch, 1)
+    plan.down_rows = "bfloat16"  # calibrate's default: the C++ op reads a bf16 copy of the down rows
     expected = predictor_values_reference(model, plan, ids)
+    model_rows = predictor_values_reference(model, plan, ids, "model")  # what the aten form reads
     exact_values = _masked_reference_llama(model, _int8_plan(model, 0.4), ids)
     with torch.no_grad():
         for options in ({"inner": "eager"}, {"inner": "inductor"}, {"inner": "inductor", "cpu_lowering": "decomposed"},
                         {"simulate": True, "inner": "eager"}):
             got, report = _sparse_logits(model, plan, ids, options)
-            assert describe_difference("logits", got, expected, rtol=1e-4, atol=1e-4) is None, options
+            want = model_rows if options.get("cpu_lowering") == "decomposed" or not native.load_ops() else expected
+            assert describe_difference("logits", got, want, rtol=1e-4, atol=1e-4) is None, options
             graph = report.graph.graph
             targets = {n.target for n in graph.nodes if n.op == "call_function"}
             fused = torch.ops.dejavu.cpu_glu_int8_mlp.default in targets if native.load_ops() else False
@@ -259,8 +266,9 @@ def test_predictor_values_decode_matches_reference(batch):
             readers = [n for n in graph.nodes if n.op != "placeholder"
                        and any(("gate_proj" in a.name or "up_proj" in a.name) for a in n.all_input_nodes)]
             assert options.get("simulate") or not readers, (options, readers)
-    # int8 values differ from exact ones: the reference can tell the two modes apart
-    assert (exact_values - expected).abs().max() > 1e-4
+    # int8 values differ from exact ones, bf16 down rows from the model's: the references tell them apart
+    assert (exact_values - model_rows).abs().max() > 1e-4
+    assert describe_difference("logits", model_rows, expected, rtol=1e-4, atol=1e-4) is not None
 
 
 @pytest.mark.parametrize("batch", [1, 3])

@@ -37,8 +37,10 @@ from dejavu_compile.plan.predictors.metrics import mass_captured, mass_curve, re
 from dejavu_compile.plan.predictors.registry import FitInputs
 from dejavu_compile.plan.predictors.twolayer import train_predictor
 from dejavu_compile.plan.sparsity_plan import (
+    DEFAULT_DOWN_ROWS,
     PlanEntry,
     SparsityPlan,
+    check_down_rows,
     check_head_candidates,
     default_head_candidates,
     model_fingerprint,
@@ -128,6 +130,7 @@ def calibrate(
     train_steps: int = 400,
     dense_when_unprofitable: bool = True,
     head_candidates: int | None = None,
+    down_rows: str = DEFAULT_DOWN_ROWS,
     progress: bool = True,
     seed: int = 0,
     samples=None,
@@ -164,6 +167,9 @@ def calibrate(
     head_candidates: decode steps compute the output head from an int8 copy of its weight and
         recompute the logits of the top `head_candidates` tokens of each row exactly (0: the head
         stays dense). None: 64 when the head has at least 4,096 rows (``default_head_candidates``).
+    down_rows: where MLPs whose values come from the int8 predictor read their kept down rows on CPU
+        fp32: "bfloat16" (a copy built at compile time, half the bytes) or "model" (the model's own
+        fp32 weights).
     max_ppl_increase: instead of `mlp_density`, the lowest density (grid of 0.05) whose perplexity
         increase on the held-out calibration tokens stays within this relative budget (e.g. 0.03).
     warn_ppl_increase: the plan's perplexity increase on the held-out calibration tokens (the last
@@ -177,6 +183,7 @@ def calibrate(
     """
     _check_choices(predictor, values, allocation)
     head = model.get_output_embeddings()
+    check_down_rows(down_rows)
     head_k = default_head_candidates(None if head is None else head.weight.shape[0]) if head_candidates is None \
         else check_head_candidates(head_candidates)
     t0 = time.time()
@@ -201,6 +208,7 @@ def calibrate(
         entries = build_entries(fits, data, options, kmlp, katt)
         settings = record_settings(options, data.mlp_blocks, fits, density, facts, time.time() - t0)
         settings["head_candidates"] = head_k
+        settings["down_rows"] = down_rows
         return SparsityPlan(entries, fingerprint, settings)
 
     if return_builder:  # one fit, many densities (benchmarks)

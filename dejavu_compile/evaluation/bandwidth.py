@@ -6,13 +6,13 @@ from dejavu_compile.compiler.passes.sparse_attention import dense_query_reason, 
 
 
 def bandwidth_bound(model, plan) -> float:
-    """Dense weight bytes per decode step over the bytes the plan reads (kept MLP rows, only their
-    down rows when the plan takes their values from the int8 predictor, kept heads' query and output
-    rows, all other weights, and the predictors; a screened output head reads its int8 copy and the
-    rows of its candidates): the speedup a purely
-    bandwidth-bound decoder could reach. (KV-cache reads are left out: small at the short contexts
-    benchmarked here.) Attention blocks and query projections count as sparse exactly where the
-    backend lowers them so (``sparsify_attention.dense_reason`` / ``dense_query_reason``)."""
+    """Dense weight bytes per decode step over the bytes the plan reads: kept MLP rows (only their
+    down rows when the plan takes their values from the int8 predictor, from its bf16 copy where the
+    plan has one), kept heads' query and output rows, all other weights, the predictors, and a
+    screened output head's int8 copy and candidate rows. The speedup a purely bandwidth-bound
+    decoder could reach. (KV-cache reads are left out: small at the short contexts benchmarked
+    here.) Attention blocks and query projections count as sparse exactly where the backend lowers
+    them so (``sparsify_attention.dense_reason`` / ``dense_query_reason``)."""
     params = dict(model.named_parameters())
     nbytes = lambda p: p.numel() * p.element_size()
     element_size = next(iter(params.values())).element_size()
@@ -43,7 +43,10 @@ def bandwidth_bound(model, plan) -> float:
         else:
             sparse_refs = [block.o] + ([block.q] if dense_query_reason(block) is None else [])
         sparse = sum(ref_bytes(ref) for ref in sparse_refs if ref.name in params)
-        saved += sparse * (1.0 - entry.k / entry.total) - entry.read_bytes(element_size)
+        kept = entry.k / entry.total
+        if sparse_refs == [block.down] and plan.down_rows == "bfloat16" and element_size == 4:
+            kept /= 2  # the kept down rows read from the plan's bf16 copy
+        saved += sparse * (1.0 - kept) - entry.read_bytes(element_size)
     k = plan.head_candidates
     if head is not None and 0 < k < head.weight.shape[0]:
         rows, d = head.weight.shape

@@ -20,6 +20,11 @@ The output head (``plan.head_candidates``, in the settings): 0 keeps it dense; k
 decode graphs with an int8 copy of its weight built at compile time, the top k logits of each token
 recomputed exactly (compiler pass ``head_screen``). Plans without the setting keep it dense.
 
+The down rows of entries with values "predictor" (``plan.down_rows``, in the settings): "model" reads
+the model's own down weights; "bfloat16" a bf16 copy the compiled graph builds from them and holds,
+half the bytes (CPU fp32 decode, where the C++ op reads them; the masked simulation applies the same
+rounding). Plans without it read "model".
+
 Values of the kept neurons (entry.values):
     "exact":      the block computes act(gate.x) * (up.x) for its kept neurons from its own weights.
     "predictor":  the kept neurons take the predictor's own act(g~) * u~, which a kind that
@@ -50,6 +55,8 @@ VALUES = ("exact", "predictor")
 # on heads of at least HEAD_MIN_ROWS rows (every real tokenizer; a tiny test vocabulary stays exact)
 HEAD_CANDIDATES = 64
 HEAD_MIN_ROWS = 4096
+DOWN_ROWS = ("model", "bfloat16")
+DEFAULT_DOWN_ROWS = "bfloat16"  # calibrate()'s default
 # Format 1 named the predictor by its nonlinearity; its tensors A/B/a/b map through each kind's v1_names.
 V1_PREDICTORS = {"none": "twolayer", "relu": "twolayer_relu", "glu": "glu_lowrank", "glu_int8": "glu_int8",
                  "glu_int4": "glu_int4", "dense": None}
@@ -122,6 +129,12 @@ def check_head_candidates(k) -> int:
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise ValueError(f"head_candidates must be an int >= 0 (0: the output head stays dense), got {k!r}")
     return k
+
+
+def check_down_rows(kind) -> str:
+    if kind not in DOWN_ROWS:
+        raise ValueError(f"down_rows must be one of {DOWN_ROWS}, got {kind!r}")
+    return kind
 
 
 def model_fingerprint(model) -> dict[str, Any]:
@@ -300,11 +313,23 @@ class SparsityPlan:
     def head_candidates(self, k: int) -> None:
         self.settings["head_candidates"] = check_head_candidates(k)
 
+    @property
+    def down_rows(self) -> str:
+        """What entries with values "predictor" read their kept down rows from: "model" (the model's
+        own weights) or "bfloat16" (a bf16 copy the compiled graph holds)."""
+        return self.settings.get("down_rows") or "model"
+
+    @down_rows.setter
+    def down_rows(self, kind: str) -> None:
+        self.settings["down_rows"] = check_down_rows(kind)
+
     def entry(self, layer: int, kind: str) -> PlanEntry:
         return self.entries[(layer, kind)]
 
     def summary(self) -> str:
         head = f", output head screened (top {self.head_candidates} exact)" if self.head_candidates else ""
+        if self.down_rows != "model":
+            head += f", {self.down_rows} down rows"
         lines = [f"SparsityPlan: {self.num_layers} layers, MLP density {self.mlp_density:.3f}, attention density "
                  f"{self.attn_density:.3f}{head}"]
         for (l, kind), e in sorted(self.entries.items()):
@@ -425,6 +450,7 @@ class SparsityPlan:
             raise ValueError(f"{meta_path} is corrupt: 'settings' is not a mapping")
         try:
             check_head_candidates(settings.get("head_candidates", 0))
+            check_down_rows(settings.get("down_rows", "model"))
         except ValueError as err:
             raise ValueError(f"{meta_path} is corrupt: {err}") from None
         plan = cls(entries, fingerprint, settings)

@@ -22,7 +22,7 @@ from dejavu_compile.compiler.blocks import MLPBlock, WeightRef
 from dejavu_compile.plan import predictors
 from dejavu_compile.plan.predictors.glu_int8 import int8_glu_predictor
 from dejavu_compile.compiler.passes.head_screen import output_head
-from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan, default_head_candidates
+from dejavu_compile.plan.sparsity_plan import DEFAULT_DOWN_ROWS, PlanEntry, SparsityPlan, default_head_candidates
 
 log = logging.getLogger("dejavu_compile")
 
@@ -108,7 +108,8 @@ def training_free_plan(match, values: dict, density: float, head_rows: int | Non
         else:
             entries[(block.layer, "attention")] = PlanEntry(block.layer, "attention", block.num_heads, block.num_heads)
     settings = {"method": "training-free-int8", "predictor": "int8", "values": "auto", "allocation": "uniform",
-                "target_mlp_density": density, "head_candidates": default_head_candidates(head_rows)}
+                "target_mlp_density": density, "head_candidates": default_head_candidates(head_rows),
+                "down_rows": DEFAULT_DOWN_ROWS}
     return SparsityPlan(entries, {}, settings)
 
 

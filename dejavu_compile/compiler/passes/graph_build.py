@@ -7,10 +7,14 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.utils.weak import WeakIdKeyDictionary
 
 from dejavu_compile.compiler.blocks import WeightRef
 
 log = logging.getLogger("dejavu_compile")
+
+# weight tensor -> {tag: (the weight's state, its copy)}; weak, so a freed model frees its copies
+_weight_copies: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def placeholder_values(gm: fx.GraphModule, example_inputs) -> dict[fx.Node, torch.Tensor]:
@@ -34,6 +38,22 @@ def add_constant(gm: fx.GraphModule, graph: fx.Graph, name: str, tensor: torch.T
     node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}  # static for CUDA graphs
     extra.append(tensor)
     return node
+
+
+def weight_copy(weight: torch.Tensor, tag: str, make):
+    """``make(weight)`` (a compact copy the compiled graph holds: int8 rows, bf16 rows), computed once
+    per weight, layout, version and ``tag``, so the graphs of one model (prefill, decode, recompiles)
+    share it. ``weight`` may be a view (a transpose): the copy is keyed by the tensor it views."""
+    base = weight._base if weight._base is not None else weight
+    state = (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype, weight._version)
+    copies = _weight_copies.setdefault(base, {})
+    hit = copies.get(tag)
+    if hit is not None and hit[0] == state:
+        return hit[1]
+    with torch.no_grad():
+        copy = make(weight)
+    copies[tag] = (state, copy)
+    return copy
 
 
 def rows_view(graph, ref: WeightRef, tensor: torch.Tensor | None) -> fx.Node:

@@ -22,10 +22,9 @@ import operator
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch.utils.weak import WeakIdKeyDictionary
 
 from dejavu_compile.compiler.passes.dense_linear import lowerable
-from dejavu_compile.compiler.passes.graph_build import add_constant, erase_unused
+from dejavu_compile.compiler.passes.graph_build import add_constant, erase_unused, weight_copy
 from dejavu_compile.compiler.passes.graph_utils import (
     LinearCall,
     example_value,
@@ -38,9 +37,6 @@ from dejavu_compile.compiler.passes.graph_utils import (
 from dejavu_compile.plan.predictors.glu_int8 import quantize_rows_int8
 
 EMBEDDING_FUNCTIONS = {F.embedding, torch.embedding}
-
-# weight tensor -> (its state, int8 rows, scales); weak, so a freed model frees its copy
-_copies: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def output_head(gm: fx.GraphModule) -> LinearCall | None:
@@ -77,16 +73,8 @@ def head_rows(lin: LinearCall, weight: torch.Tensor) -> torch.Tensor:
 
 
 def int8_copy(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 rows, fp32 scales) of the head's (vocab, d) rows, built once per weight and its version."""
-    state = (rows.data_ptr(), rows.shape, rows.stride(), rows.dtype, rows._version)
-    base = rows._base if rows._base is not None else rows
-    hit = _copies.get(base)
-    if hit is not None and hit[0] == state:
-        return hit[1], hit[2]
-    with torch.no_grad():
-        q, scale = quantize_rows_int8(rows)
-    _copies[base] = (state, q, scale)
-    return q, scale
+    """(int8 rows, fp32 scales) of the head's (vocab, d) rows, built once per weight."""
+    return weight_copy(rows, "int8 rows", quantize_rows_int8)
 
 
 def screen_reason(lin: LinearCall, k: int) -> str | None:

@@ -221,6 +221,7 @@ def emit_native_int8_topk(gm, graph, entry, x2d, prefix, device) -> fx.Node:
 
 
 def emit_native_int8_values_mlp(gm, graph, block, entry, x2d, w_down_t, b_down, prefix, device):
+    """w_down_t: the model's fp32 down rows or the plan's bf16 copy of them."""
     q, scale = int8_constants(gm, graph, entry, prefix, device)
     both = graph.call_function(torch.ops.dejavu.cpu_glu_int8_mlp.default,
                                (x2d, q, scale, w_down_t, entry.k, activations.canonical(entry.activation), b_down))

@@ -10,11 +10,12 @@ import torch
 import torch.fx as fx
 
 from dejavu_compile.compiler.blocks import AttentionBlock, MLPBlock
-from dejavu_compile.compiler.passes.graph_build import emit_size, placeholder_values, value_device
+from dejavu_compile.compiler.passes.graph_build import add_constant, emit_size, placeholder_values, value_device
 from dejavu_compile.compiler.passes.graph_utils import shape_of
 from dejavu_compile.compiler.passes.head_screen import simulate_head
 from dejavu_compile.compiler.passes.predictor_graph import emit_int8_selection
 from dejavu_compile.compiler.passes.selection import insert_selection, takes_predictor_values
+from dejavu_compile.compiler.passes.sparse_mlp import rounded_down_weight
 
 log = logging.getLogger("dejavu_compile")
 
@@ -51,8 +52,9 @@ def simulate_plan(gm, match, plan, report, example_inputs, opts) -> fx.GraphModu
             masked_flat = graph.call_function(operator.mul, (kept, mask))
             masked = graph.call_method("view_as", (masked_flat, hidden))
         hidden.replace_all_uses_with(masked, delete_user_cb=lambda user: user not in (flat, masked))
+        copy_note = _round_down_rows(gm, graph, block, plan, values) if from_predictor else ""
         report.rewritten.append(f"layer {block.layer} mlp: masked simulation, {entry.k}/{entry.total} neurons"
-                                f"{', values from the int8 predictor' if from_predictor else ''}")
+                                f"{', values from the int8 predictor' if from_predictor else ''}{copy_note}")
     for block in match.attention:
         entry = plan.entries.get((block.layer, "attention"))
         if entry is not None and not entry.dense:
@@ -61,6 +63,20 @@ def simulate_plan(gm, match, plan, report, example_inputs, opts) -> fx.GraphModu
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _round_down_rows(gm, graph, block: MLPBlock, plan, values) -> str:
+    """The plan's bf16 copy of the down rows, as the dense down projection's weight: what the decode
+    op reads (CPU fp32 models, where the C++ op runs)."""
+    weight = values.get(block.down.node)
+    if plan.down_rows == "model" or weight is None or weight.dtype != torch.float32:
+        return ""
+    rounded = add_constant(gm, graph, f"dejavu_L{block.layer}_down_{plan.down_rows}",
+                           rounded_down_weight(block.down, weight))
+    down = block.nodes["down"]
+    for node in (down, *down.all_input_nodes):
+        node.replace_input_with(block.down.node, rounded)
+    return f", {plan.down_rows} down rows"
 
 
 def _dtype_of(values, block: MLPBlock):

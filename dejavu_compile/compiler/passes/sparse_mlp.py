@@ -22,12 +22,14 @@ import torch.fx as fx
 
 from dejavu_compile.compiler.blocks import MLPBlock
 from dejavu_compile.compiler.passes.graph_build import (
+    add_constant,
     bias_view,
     emit_weighted_row_sum,
     erase_unused,
     rows_view,
     transposed_weight,
     value_device,
+    weight_copy,
 )
 from dejavu_compile.compiler.passes.graph_utils import shape_of
 from dejavu_compile.compiler.passes.lowering import SparseMLPNodes, choose_lowering, unit_stride_rows
@@ -101,23 +103,33 @@ def rewrite_mlp_from_predictor(gm, graph, block: MLPBlock, entry, values, report
     """The block from its int8 predictor's values (entry.values == "predictor"): act(g~) * u~ for
     every neuron, the top k by magnitude, and those k values times their rows of the transposed
     down weight. The gate and up weights are not read. Where the kernel lowering has one op for
-    it (``dejavu::cpu_glu_int8_mlp`` on CPU fp32) all of it is one call; elsewhere aten ops (int8_linear, topk, gather,
-    embedding_bag; the predictor in fp32, its kept values cast to the model's dtype)."""
+    it (``dejavu::cpu_glu_int8_mlp`` on CPU fp32) all of it is one call, reading the plan's bf16 copy
+    of the down rows where ``plan.down_rows`` asks for one; elsewhere aten ops (int8_linear, topk,
+    gather, embedding_bag over the model's down rows; the predictor in fp32, its kept values cast to
+    the model's dtype)."""
     x = block.nodes["input"]
     prefix = f"dejavu_L{block.layer}_mlp"
     down_value = values.get(block.down.node)
     device = value_device(values, block.down.node)
+    copy_kind = opts["plan"].down_rows if down_value is not None and down_value.dtype == torch.float32 else "model"
     with graph.inserting_before(block.nodes["down"]):
         x2d = graph.call_method("reshape", (x, -1, shape_of(x)[-1]))
-        w_down_t = transposed_weight(gm, graph, block.down, down_value, f"{prefix}_w_down_t", report,
-                                      f"layer {block.layer} mlp: down")
         b_down = block.down.bias_node
         lowering = choose_lowering(opts, down_value)
         if lowering.emit_int8_values_mlp is not None:  # one op: the C++ op on CPU fp32
+            if copy_kind == "model":
+                w_down_t = transposed_weight(gm, graph, block.down, down_value, f"{prefix}_w_down_t", report,
+                                             f"layer {block.layer} mlp: down")
+            else:  # the plan's bf16 copy of the down rows
+                w_down_t = add_constant(gm, graph, f"{prefix}_down_{copy_kind}",
+                                        down_rows_copy(down_rows(block.down, down_value)))
             out, both = lowering.emit_int8_values_mlp(gm, graph, block, entry, x2d, w_down_t, b_down, prefix, device)
             both.meta["dejavu"] = {"role": "predictor", "layer": block.layer, "kind": "mlp", "reads": x.name,
                                    "lookahead": False}
         else:
+            copy_kind = "model"
+            w_down_t = transposed_weight(gm, graph, block.down, down_value, f"{prefix}_w_down_t", report,
+                                          f"layer {block.layer} mlp: down")
             dtype = down_value.dtype if down_value is not None else None
             estimate, idx = emit_int8_selection(gm, graph, block, entry, x2d, prefix, device, dtype)
             kept = graph.call_function(torch.gather, (estimate, -1, idx))
@@ -125,9 +137,26 @@ def rewrite_mlp_from_predictor(gm, graph, block: MLPBlock, entry, values, report
             out = emit_weighted_row_sum(graph, idx, kept, entry.k, w_down_t, b_down)
         out.meta["dejavu"] = {"role": "sparse_mlp", "layer": block.layer, "k": entry.k}
     _replace_block(graph, block, out)
+    rows = "down rows only" if copy_kind == "model" else f"{copy_kind} copy of the down rows"
     report.rewritten.append(f"layer {block.layer} mlp: {entry.k}/{entry.total} neurons, values from the int8 "
-                            "predictor (down rows only)")
+                            f"predictor ({rows})")
 
+
+def down_rows(ref, value: torch.Tensor) -> torch.Tensor:
+    """A down projection's weight as (F, d_out) rows, one per neuron (a view)."""
+    return value.t() if ref.layout == "out_in" else value
+
+
+def down_rows_copy(rows: torch.Tensor) -> torch.Tensor:
+    """The plan's bf16 copy of (F, d_out) down rows (contiguous), built once per weight."""
+    return weight_copy(rows, "bf16 rows", lambda w: w.to(torch.bfloat16).contiguous())
+
+
+def rounded_down_weight(ref, value: torch.Tensor) -> torch.Tensor:
+    """The down weight, in its own layout and dtype, rounded as the plan's bf16 copy rounds it (the
+    masked simulation's weight for entries that read the copy)."""
+    rows = down_rows_copy(down_rows(ref, value)).to(value.dtype)
+    return rows.t() if ref.layout == "out_in" else rows
 
 
 class SparseMLPPass:

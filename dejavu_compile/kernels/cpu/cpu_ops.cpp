@@ -7,7 +7,8 @@
 //   cpu_glu_int8_mlp(x, w_int8, scale, w_down_t, k, activation, b_down?) -> ((B, d_out), (B, k) ids)
 //       the whole block for plan entries with values "predictor": the int8 predictor's act(g~) * u~
 //       for every neuron, the top k by magnitude, and the down projection of those k values (only
-//       the selected rows of w_down_t are read; the fp32 gate and up weights not at all);
+//       the selected rows of w_down_t are read, fp32 or a bf16 copy; the fp32 gate and up weights
+//       not at all);
 //   cpu_linear(x, w, b?) -> (..., n)
 //       a dense projection at decode shapes: the GEMV kernels of cpu_sparse_mlp.c read w once, as
 //       stored (nn.Linear's rows, or the transposed storage prepare_model gives down and output
@@ -172,7 +173,11 @@ std::tuple<at::Tensor, at::Tensor> cpu_glu_int8_mlp(const at::Tensor& x, const a
                                                     c10::string_view activation,
                                                     const std::optional<at::Tensor>& b_down) {
   const int64_t n = w_int8.size(0) / 2, d_out = w_down_t.size(1);  // w_int8 itself: glu_int8_scores checks it
-  check_rows(w_down_t, "w_down_t", n, d_out);
+  const bool bf16 = w_down_t.scalar_type() == at::kBFloat16;  // a plan's bf16 copy of the down rows
+  TORCH_CHECK(w_down_t.device().is_cpu() && (bf16 || w_down_t.scalar_type() == at::kFloat) && w_down_t.dim() == 2 &&
+                  w_down_t.size(0) == n && w_down_t.stride(1) == 1,
+              "w_down_t must be float32 or bfloat16 (", n, ", d_out) on the CPU with contiguous rows, got ",
+              w_down_t.scalar_type(), " ", w_down_t.sizes(), " strides ", w_down_t.strides());
   const float* pd = bias_ptr(b_down, "b_down", d_out);
   const at::Tensor values = glu_int8_scores(x, w_int8, scale, k, activation, true);
   const int64_t nb = values.size(0);
@@ -180,8 +185,8 @@ std::tuple<at::Tensor, at::Tensor> cpu_glu_int8_mlp(const at::Tensor& x, const a
   const int threads = at::get_num_threads();
   at::Tensor out = at::empty({nb, d_out}, values.options());
   at::Tensor scratch = at::empty({threads * d_out}, values.options());
-  dejavu_weighted_rows_f32(values.data_ptr<float>(), n, idx.data_ptr<int64_t>(), nb, k, w_down_t.data_ptr<float>(),
-                           w_down_t.stride(0), d_out, pd, out.data_ptr<float>(), scratch.data_ptr<float>(), threads);
+  dejavu_weighted_rows(values.data_ptr<float>(), n, idx.data_ptr<int64_t>(), nb, k, w_down_t.data_ptr(), bf16,
+                       w_down_t.stride(0), d_out, pd, out.data_ptr<float>(), scratch.data_ptr<float>(), threads);
   return {out, idx};
 }
 

@@ -250,15 +250,45 @@ void dejavu_glu_int8_scores_f32(const float *x, int64_t nb, int64_t d, const int
     }
 }
 
+/* acc[i] += v * row[i] for a row of bf16 values (the upper half of an fp32: widening is a shift). */
+static inline void axpy_bf16(float *restrict acc, float v, const uint16_t *restrict row, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 vv = _mm512_set1_ps(v);
+    for (; i + 16 <= n; i += 16) {
+        const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + i)));
+        const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+        _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(vv, w, _mm512_loadu_ps(acc + i)));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 vv = _mm256_set1_ps(v);
+    for (; i + 8 <= n; i += 8) {
+        const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + i)));
+        const __m256 w = _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(vv, w, _mm256_loadu_ps(acc + i)));
+    }
+#endif
+    for (; i < n; i++) {
+        const uint32_t bits = (uint32_t)row[i] << 16;
+        float w;
+        memcpy(&w, &bits, sizeof w);
+        acc[i] += v * w;
+    }
+}
+
 /* out[b] = sum_j h[b * h_stride + r] * table[r] + bias, r = idx[b * k + j] for j < k: the down
    projection of neurons whose values are already known (plan entries with values "predictor": the
    int8 predictor's act(g~) * u~), each selected row of the transposed down weight read once, in
-   place. table: rows of d_out floats, table_stride apart; bias NULL or (d_out,); scratch: n_threads
-   * d_out floats; out: (nb, d_out) contiguous. Threads split the rows, as in dejavu_sparse_mlp_f32. */
-void dejavu_weighted_rows_f32(const float *h, int64_t h_stride, const int64_t *idx, int64_t nb, int64_t k,
-                              const float *table, int64_t table_stride, int64_t d_out, const float *bias,
-                              float *out, float *scratch, int n_threads) {
+   place. table: rows of d_out fp32 values (table_bf16 0) or bf16 values (1: a plan's bf16 copy of
+   the down rows, half the bytes), table_stride elements apart; bias NULL or (d_out,) fp32; scratch:
+   n_threads * d_out floats; out: (nb, d_out) contiguous. Threads split the rows, as in
+   dejavu_sparse_mlp_f32. */
+void dejavu_weighted_rows(const float *h, int64_t h_stride, const int64_t *idx, int64_t nb, int64_t k,
+                          const void *table, int table_bf16, int64_t table_stride, int64_t d_out, const float *bias,
+                          float *out, float *scratch, int n_threads) {
     const int64_t ahead = dejavu_tuning.mlp_prefetch_rows, bytes = dejavu_tuning.mlp_prefetch_bytes;
+    const int64_t element = table_bf16 ? 2 : 4, row_bytes = d_out * element;
+    const char *rows = (const char *)table;
     for (int64_t b = 0; b < nb; b++) {
         const int64_t *ids = idx + b * k;
         const float *hb = h + b * h_stride;
@@ -269,11 +299,16 @@ void dejavu_weighted_rows_f32(const float *h, int64_t h_stride, const int64_t *i
             float *acc = scratch + (int64_t)t * d_out;
             memset(acc, 0, sizeof(float) * d_out);
             for (int64_t j = lo; j < hi; j++) {
-                if (j + ahead < hi) prefetch(table + ids[j + ahead] * table_stride, d_out * 4, bytes);
+                if (j + ahead < hi) prefetch((const float *)(rows + ids[j + ahead] * table_stride * element), row_bytes, bytes);
                 const int64_t r = ids[j];
-                const float v = hb[r], *row = table + r * table_stride;
+                const float v = hb[r];
+                if (table_bf16) {
+                    axpy_bf16(acc, v, (const uint16_t *)(rows + r * table_stride * element), d_out);
+                } else {
+                    const float *row = (const float *)(rows + r * table_stride * element);
 #pragma omp simd
-                for (int64_t i = 0; i < d_out; i++) acc[i] += v * row[i];
+                    for (int64_t i = 0; i < d_out; i++) acc[i] += v * row[i];
+                }
             }
 #pragma omp barrier
             sum_partials(scratch, d_out, bias, d_out, out + b * d_out, t, n_t);
