@@ -1,11 +1,13 @@
-"""Where a SmolLM2 decode step goes on CPU: Inductor dense, dejavu exact (no plan) and the default plan.
+"""Where a SmolLM2 decode step goes on CPU: Inductor dense, dejavu exact (no plan) and the default plan
+(also with its projections left to Inductor, and with its output head dense and its down rows read
+from the fp32 weights).
 
     python benchmarks/profile_decode.py                 # the split below, per variant
     python benchmarks/profile_decode.py --layout        # does prepare_model slow dense?
 
-For each variant (fp32, batch 1, static cache, 2 threads unless --threads): the decode step as
-``generate()`` runs it, the same compiled forward called in a plain loop over a 128-slot static
-cache (generate() allocates prompt + 33 slots, so the two differ by the loop's own cost and by the
+For each variant (fp32, batch 1, static cache, 2 threads unless --threads; every variant compiled
+first, then timed once per round, rounds interleaved, medians): the decode step as ``generate()``
+runs it, the same compiled forward called in a plain loop over a 128-slot static cache (generate() allocates prompt + 33 slots, so the two differ by the loop's own cost and by the
 attention's cache length; ``benchmarks/peers.py`` measures the loop alone with ``greedy_decode``), and torch.profiler's self time of 16 plain steps grouped into weight
 reading (projections and sparse MLP ops), attention, Dynamo's guards, the compiled graph's own code
 (Inductor's kernels and its wrapper) and the rest, scaled to the unprofiled step. The weight-streaming
@@ -24,7 +26,8 @@ import torch
 
 CATEGORIES = {  # profiler event name -> category; the rest is "other"
     "aten::mm": "weights: projections", "aten::addmm": "weights: projections", "aten::linear": "weights: projections",
-    "dejavu::cpu_linear": "weights: projections", "dejavu::cpu_glu_int8_mlp": "weights: sparse MLP ops",
+    "dejavu::cpu_linear": "weights: projections", "dejavu::cpu_screened_linear": "weights: projections",
+    "dejavu::cpu_glu_int8_mlp": "weights: sparse MLP ops",
     "dejavu::cpu_sparse_mlp": "weights: sparse MLP ops", "dejavu::cpu_glu_int8_topk": "weights: sparse MLP ops",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)",
     "TorchDynamo Cache Lookup": "Dynamo guards",
@@ -52,6 +55,7 @@ def main(argv=None) -> int:
     from dejavu_compile.compiler.prepare import prepare_model
     from dejavu_compile.evaluation.bandwidth import bandwidth_bound
     from dejavu_compile.evaluation.bench import compiled_forward, cpu_info, machine_description
+    from dejavu_compile.plan.sparsity_plan import SparsityPlan
 
     model, tok = load_smollm2()
     model.eval()
@@ -75,6 +79,8 @@ def main(argv=None) -> int:
         return 0
 
     plan = load_or_calibrate(model, tok, _default_plan_dir(model, BUNDLED))
+    blocks_only = SparsityPlan(plan.entries, plan.fingerprint, {**plan.settings, "head_candidates": 0,
+                                                                "down_rows": "model"})
     prepare_model(model)
     rate = streaming_rate(model)
     # SmolLM2's output head is its embedding: a dense step reads every parameter once
@@ -87,23 +93,36 @@ def main(argv=None) -> int:
                 # the plan with its dense projections left to Inductor (dense_lowering="aten")
                 "dejavu default plan, aten projections": (
                     compiled_forward("dejavu", options={"plan": plan, "dense_lowering": "aten"}),
-                    dense_bytes / bandwidth_bound(model, plan))}
+                    dense_bytes / bandwidth_bound(model, plan)),
+                # the plan's blocks alone: the output head dense, the down rows read from the fp32 weights
+                "dejavu default plan, dense head, fp32 down rows": (
+                    compiled_forward("dejavu", options={"plan": blocks_only}),
+                    dense_bytes / bandwidth_bound(model, blocks_only))}
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, 8 * len(variants))
     original = model.forward
-    for name, (wrap, step_bytes) in variants.items():
-        model.forward = wrap(original)
+    forwards = {}
+    for name, (wrap, _) in variants.items():
+        model.forward = forwards[name] = wrap(original)
         for tokens in (33, 1, 33, 1):  # compiles every graph these lengths need
             _decode_seconds(model, ids, tokens)
-        generate_step = statistics.median((_decode_seconds(model, ids, 33) - _decode_seconds(model, ids, 1)) / 32
-                                          for _ in range(args.repeats))
-        plain_step, categories = _plain_steps(model, ids, args.repeats)
-        model.forward = original
+    generate_steps = {name: [] for name in variants}
+    plain_steps = {name: [] for name in variants}
+    for _ in range(args.repeats):  # the variants interleaved, so the machine's drift hits them alike
+        for name in variants:
+            model.forward = forwards[name]
+            generate_steps[name].append((_decode_seconds(model, ids, 33) - _decode_seconds(model, ids, 1)) / 32)
+            plain_steps[name].append(_plain_step(model, ids))
+    for name, (_, step_bytes) in variants.items():
+        model.forward = forwards[name]
+        categories = _profile_shares(model, ids)
+        generate_step, plain_step = statistics.median(generate_steps[name]), statistics.median(plain_steps[name])
         print(f"\n{name}: {1e3 * generate_step:.1f} ms per token in generate(), {1e3 * plain_step:.1f} ms per plain "
               f"step; weight-streaming floor {1e3 * step_bytes / rate:.1f} ms ({step_bytes / 1e6:.0f} MB)")
         print(f"  generate() loop: {1e3 * (generate_step - plain_step):5.1f} ms")
         for category, share in sorted(categories.items(), key=lambda kv: -kv[1]):
             print(f"  {category:<28}{1e3 * share * plain_step:5.1f} ms ({share:.0%})")
+    model.forward = original
     return 0
 
 
@@ -123,31 +142,46 @@ def streaming_rate(model) -> float:
     return sum(w.numel() * 4 for w in mats) / statistics.median(times[1:])
 
 
-def _plain_steps(model, ids, repeats: int):
-    """The compiled forward over a static cache, one token per call: (median seconds per step,
-    {category: share of the profiled self time})."""
+def _static_decoder(model, ids):
+    """A step function over a fresh 128-slot static cache after the prompt's prefill: each call
+    decodes one greedy token through the compiled forward."""
     from transformers import StaticCache
 
     cache = StaticCache(config=model.config, max_cache_len=128)
     with torch.no_grad():
         out = model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(ids.shape[1]))
-        state = {"next": out.logits[:, -1:].argmax(-1), "pos": ids.shape[1]}
+    state = {"next": out.logits[:, -1:].argmax(-1), "pos": ids.shape[1]}
 
-        def step():
-            o = model(input_ids=state["next"], past_key_values=cache, use_cache=True,
-                      cache_position=torch.tensor([state["pos"]]))
-            state["next"], state["pos"] = o.logits[:, -1:].argmax(-1), state["pos"] + 1
+    @torch.no_grad()
+    def step():
+        o = model(input_ids=state["next"], past_key_values=cache, use_cache=True,
+                  cache_position=torch.tensor([state["pos"]]))
+        state["next"], state["pos"] = o.logits[:, -1:].argmax(-1), state["pos"] + 1
 
-        for _ in range(3):
+    return step
+
+
+def _plain_step(model, ids, steps: int = 8) -> float:
+    """Median seconds of one compiled forward in a plain loop (after 3 unmeasured steps)."""
+    step = _static_decoder(model, ids)
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _profile_shares(model, ids) -> dict[str, float]:
+    """{category: share of the profiled self time} of 16 plain steps."""
+    step = _static_decoder(model, ids)
+    for _ in range(3):
+        step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(16):
             step()
-        times = []
-        for _ in range(8 * repeats):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            for _ in range(16):
-                step()
     totals: dict[str, float] = {}
     for event in prof.key_averages():
         name = event.key
@@ -155,7 +189,7 @@ def _plain_steps(model, ids, repeats: int):
                                   else "other")
         totals[category] = totals.get(category, 0.0) + event.self_cpu_time_total
     whole = sum(totals.values())
-    return statistics.median(times), {k: v / whole for k, v in totals.items()}
+    return {k: v / whole for k, v in totals.items()}
 
 
 if __name__ == "__main__":
