@@ -90,7 +90,19 @@ def test_bandwidth_bound_with_the_predictors_values():
         F, d, layers = model.config.intermediate_size, model.config.hidden_size, model.config.num_hidden_layers
         predictors = layers * (2 * F * d + 2 * F * 4)
         expected = total / (total - (gate_up + 0.5 * down - predictors))
-        assert abs(bandwidth_bound(model, _int8_values_plan(model, 0.5)) - expected) < 1e-9, arch
+        plan = _int8_values_plan(model, 0.5)
+        assert abs(bandwidth_bound(model, plan) - expected) < 1e-9, arch
+        # the kept down rows from a bf16 copy: half their bytes
+        plan.down_rows = "bfloat16"
+        expected = total / (total - (gate_up + 0.75 * down - predictors))
+        assert abs(bandwidth_bound(model, plan) - expected) < 1e-9, arch
+        # a screened head: its int8 copy (vocab x d bytes and an fp32 scale per row) and k fp32 rows
+        head = model.get_output_embeddings().weight
+        plan.head_candidates = 8
+        vocab, width = head.shape
+        screen = head.numel() * 4 * (1 - 8 / vocab) - vocab * (width + 4)
+        expected = total / (total - (gate_up + 0.75 * down - predictors) - screen)
+        assert abs(bandwidth_bound(model, plan) - expected) < 1e-9, arch
 
 
 # ------------------------------------------------------------------ your own model from the command line

@@ -32,10 +32,12 @@ def bandwidth_bound(model, plan) -> float:
         entry = plan.entries.get((block.layer, block.kind))
         if entry is None or entry.dense:
             continue
+        down_copy = False  # the kept down rows read from the plan's bf16 copy
         if block.kind == "mlp" and entry.values == "predictor" and block.gated:
             # kept neurons' values from the int8 predictor: gate and up not read, down rows kept
             saved += sum(ref_bytes(ref) for ref in (block.gate, block.up) if ref.name in params)
             sparse_refs = [block.down]
+            down_copy = plan.down_rows == "bfloat16" and element_size == 4
         elif block.kind == "mlp":
             sparse_refs = block.weights.values()
         elif dense_reason(block) is not None:
@@ -43,9 +45,7 @@ def bandwidth_bound(model, plan) -> float:
         else:
             sparse_refs = [block.o] + ([block.q] if dense_query_reason(block) is None else [])
         sparse = sum(ref_bytes(ref) for ref in sparse_refs if ref.name in params)
-        kept = entry.k / entry.total
-        if sparse_refs == [block.down] and plan.down_rows == "bfloat16" and element_size == 4:
-            kept /= 2  # the kept down rows read from the plan's bf16 copy
+        kept = entry.k / entry.total / (2 if down_copy else 1)
         saved += sparse * (1.0 - kept) - entry.read_bytes(element_size)
     k = plan.head_candidates
     if head is not None and 0 < k < head.weight.shape[0]:

@@ -69,7 +69,7 @@ def _round_down_rows(gm, graph, block: MLPBlock, plan, values) -> str:
     """The plan's bf16 copy of the down rows, as the dense down projection's weight: what the decode
     op reads (CPU fp32 models, where the C++ op runs)."""
     weight = values.get(block.down.node)
-    if plan.down_rows == "model" or weight is None or weight.dtype != torch.float32:
+    if plan.down_rows == "model" or weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
         return ""
     rounded = add_constant(gm, graph, f"dejavu_L{block.layer}_down_{plan.down_rows}",
                            rounded_down_weight(block.down, weight))
