@@ -5,8 +5,8 @@ The output head is one GEMV over the whole vocabulary, on a small model the larg
 step reads (SmolLM2-135M: 113 MB of the 537 MB a dense step reads). Which tokens matter is input
 dependent and easy to predict: the head's own rows at 8 bits (one scale per row) estimate every
 logit, and the ``plan.head_candidates`` highest of each row are recomputed from the fp32 weight.
-Those candidates' logits are exactly the dense GEMV's (what greedy decoding and top-k / top-p
-sampling read); the others keep the int8 estimate. The masked simulation applies the same screen
+Those candidates' logits are exactly the dense GEMV's (greedy decoding reads only the highest;
+sampling draws mostly from them); the others keep the int8 estimate. The masked simulation applies the same screen
 (``simulate_head``), so the plan's held-out perplexity includes it.
 
 The head is the one projection with as many outputs as the token embedding has rows whose result
