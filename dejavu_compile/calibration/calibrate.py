@@ -182,10 +182,11 @@ def calibrate(
         several densities from one fit (attention density stays `attn_density`).
     """
     _check_choices(predictor, values, allocation)
-    head = model.get_output_embeddings()
     check_down_rows(down_rows)
-    head_k = default_head_candidates(None if head is None else head.weight.shape[0]) if head_candidates is None \
-        else check_head_candidates(head_candidates)
+    if head_candidates is None:
+        head = model.get_output_embeddings()
+        head_candidates = default_head_candidates(None if head is None else head.weight.shape[0])
+    check_head_candidates(head_candidates)
     t0 = time.time()
     if samples is not None and max_ppl_increase is not None:
         raise ValueError("max_ppl_increase measures plans on calibration tokens held out from collection; with "
@@ -207,7 +208,7 @@ def calibrate(
         kmlp, katt = allocate_k(fits, options, density, attn_density, dense_when_unprofitable)
         entries = build_entries(fits, data, options, kmlp, katt)
         settings = record_settings(options, data.mlp_blocks, fits, density, facts, time.time() - t0)
-        settings["head_candidates"] = head_k
+        settings["head_candidates"] = head_candidates
         settings["down_rows"] = down_rows
         return SparsityPlan(entries, fingerprint, settings)
 

@@ -5,8 +5,9 @@ Each matched gated MLP gets the ``glu_int8`` predictor (its own gate/up rows in 
 fitted, so no data is needed) keeping ``mlp_density`` of its neurons, rounded as ``calibrate``'s
 uniform allocation rounds it, and takes the kept neurons' values from the predictor where the block
 has no gate/up biases: the plan ``calibrate(model, tokenizer, mlp_density=...)`` makes by default on
-CPU, output head screen included. Plain MLPs and attention stay dense. Entries are cached per block weights (and their version),
-so a model's prefill, decode and recompiled graphs share one int8 copy.
+CPU, output head screen and bf16 down rows included. Plain MLPs and attention stay dense. Entries
+are cached per block weights (and their version), so a model's prefill, decode and recompiled
+graphs share one int8 copy.
 
 Without a plan and without ``mlp_density`` the backend compiles dense; it says once how to turn
 sparsity on.
@@ -19,9 +20,9 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dejavu_compile.compiler.blocks import MLPBlock, WeightRef
+from dejavu_compile.compiler.passes.head_screen import output_head
 from dejavu_compile.plan import predictors
 from dejavu_compile.plan.predictors.glu_int8 import int8_glu_predictor
-from dejavu_compile.compiler.passes.head_screen import output_head
 from dejavu_compile.plan.sparsity_plan import DEFAULT_DOWN_ROWS, PlanEntry, SparsityPlan, default_head_candidates
 
 log = logging.getLogger("dejavu_compile")

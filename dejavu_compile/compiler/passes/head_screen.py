@@ -67,14 +67,12 @@ def _only_feeds_output(node: fx.Node) -> bool:
     return reached
 
 
-def head_rows(lin: LinearCall, weight: torch.Tensor) -> torch.Tensor:
-    """The head's weight as (vocab, d) rows, whatever its layout (a view)."""
-    return weight if lin.layout == "out_in" else weight.t()
-
-
-def int8_copy(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 rows, fp32 scales) of the head's (vocab, d) rows, built once per weight."""
-    return weight_copy(rows, "int8 rows", quantize_rows_int8)
+def _screen_constants(gm: fx.GraphModule, lin: LinearCall, weight: torch.Tensor) -> tuple[fx.Node, fx.Node]:
+    """Graph inputs holding the int8 copy of the head's (vocab, d) rows and their fp32 scales, built
+    once per weight."""
+    rows = weight if lin.layout == "out_in" else weight.t()
+    q, scale = weight_copy(rows, "int8 rows", quantize_rows_int8)
+    return add_constant(gm, gm.graph, "dejavu_head_int8", q), add_constant(gm, gm.graph, "dejavu_head_scale", scale)
 
 
 def screen_reason(lin: LinearCall, k: int) -> str | None:
@@ -115,9 +113,7 @@ class HeadScreenPass:
             ctx.match.fallbacks.append((where, f"{reason}: the head stays dense"))
             return gm
         graph = gm.graph
-        q, scale = int8_copy(head_rows(lin, ctx.values(gm)[lin.weight]))
-        q_node = add_constant(gm, graph, "dejavu_head_int8", q)
-        scale_node = add_constant(gm, graph, "dejavu_head_scale", scale)
+        q_node, scale_node = _screen_constants(gm, lin, ctx.values(gm)[lin.weight])
         with graph.inserting_before(lin.out.next):
             weight = lin.weight if lin.layout == "out_in" else graph.call_function(torch.t, (lin.weight,))
             out = graph.call_function(torch.ops.dejavu.cpu_screened_linear.default,
@@ -139,9 +135,7 @@ def simulate_head(gm: fx.GraphModule, k: int, values: dict, report) -> None:
     if k <= 0 or lin is None or k >= lin.out_features or lin.weight not in values:
         return
     graph = gm.graph
-    q, scale = int8_copy(head_rows(lin, values[lin.weight]))
-    q_node = add_constant(gm, graph, "dejavu_head_int8", q)
-    scale_node = add_constant(gm, graph, "dejavu_head_scale", scale)
+    q_node, scale_node = _screen_constants(gm, lin, values[lin.weight])
     users = list(lin.out.users)
     with graph.inserting_before(lin.out.next):
         x2d = graph.call_method("reshape", (lin.x, -1, lin.in_features))

@@ -15,7 +15,7 @@ from dejavu_compile.compiler.passes.graph_utils import shape_of
 from dejavu_compile.compiler.passes.head_screen import simulate_head
 from dejavu_compile.compiler.passes.predictor_graph import emit_int8_selection
 from dejavu_compile.compiler.passes.selection import insert_selection, takes_predictor_values
-from dejavu_compile.compiler.passes.sparse_mlp import rounded_down_weight
+from dejavu_compile.compiler.passes.sparse_mlp import reads_down_copy, rounded_down_weight
 
 log = logging.getLogger("dejavu_compile")
 
@@ -69,7 +69,7 @@ def _round_down_rows(gm, graph, block: MLPBlock, plan, values) -> str:
     """The plan's bf16 copy of the down rows, as the dense down projection's weight: what the decode
     op reads (CPU fp32 models, where the C++ op runs)."""
     weight = values.get(block.down.node)
-    if plan.down_rows == "model" or weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+    if not reads_down_copy(plan, weight):
         return ""
     rounded = add_constant(gm, graph, f"dejavu_L{block.layer}_down_{plan.down_rows}",
                            rounded_down_weight(block.down, weight))

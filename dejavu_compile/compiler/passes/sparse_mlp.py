@@ -111,25 +111,23 @@ def rewrite_mlp_from_predictor(gm, graph, block: MLPBlock, entry, values, report
     prefix = f"dejavu_L{block.layer}_mlp"
     down_value = values.get(block.down.node)
     device = value_device(values, block.down.node)
-    copy_kind = opts["plan"].down_rows if down_value is not None and down_value.dtype == torch.float32 else "model"
     with graph.inserting_before(block.nodes["down"]):
         x2d = graph.call_method("reshape", (x, -1, shape_of(x)[-1]))
         b_down = block.down.bias_node
         lowering = choose_lowering(opts, down_value)
-        if lowering.emit_int8_values_mlp is not None:  # one op: the C++ op on CPU fp32
-            if copy_kind == "model":
-                w_down_t = transposed_weight(gm, graph, block.down, down_value, f"{prefix}_w_down_t", report,
-                                             f"layer {block.layer} mlp: down")
-            else:  # the plan's bf16 copy of the down rows
-                w_down_t = add_constant(gm, graph, f"{prefix}_down_{copy_kind}",
-                                        down_rows_copy(down_rows(block.down, down_value)))
+        fused = lowering.emit_int8_values_mlp is not None  # one op: the C++ op on CPU fp32
+        from_copy = fused and reads_down_copy(opts["plan"], down_value)
+        if from_copy:  # the plan's bf16 copy of the down rows
+            w_down_t = add_constant(gm, graph, f"{prefix}_down_{opts['plan'].down_rows}",
+                                    down_rows_copy(down_rows(block.down, down_value)))
+        else:
+            w_down_t = transposed_weight(gm, graph, block.down, down_value, f"{prefix}_w_down_t", report,
+                                         f"layer {block.layer} mlp: down")
+        if fused:
             out, both = lowering.emit_int8_values_mlp(gm, graph, block, entry, x2d, w_down_t, b_down, prefix, device)
             both.meta["dejavu"] = {"role": "predictor", "layer": block.layer, "kind": "mlp", "reads": x.name,
                                    "lookahead": False}
         else:
-            copy_kind = "model"
-            w_down_t = transposed_weight(gm, graph, block.down, down_value, f"{prefix}_w_down_t", report,
-                                          f"layer {block.layer} mlp: down")
             dtype = down_value.dtype if down_value is not None else None
             estimate, idx = emit_int8_selection(gm, graph, block, entry, x2d, prefix, device, dtype)
             kept = graph.call_function(torch.gather, (estimate, -1, idx))
@@ -137,9 +135,17 @@ def rewrite_mlp_from_predictor(gm, graph, block: MLPBlock, entry, values, report
             out = emit_weighted_row_sum(graph, idx, kept, entry.k, w_down_t, b_down)
         out.meta["dejavu"] = {"role": "sparse_mlp", "layer": block.layer, "k": entry.k}
     _replace_block(graph, block, out)
-    rows = "down rows only" if copy_kind == "model" else f"{copy_kind} copy of the down rows"
+    rows = f"{opts['plan'].down_rows} copy of the down rows" if from_copy else "down rows only"
     report.rewritten.append(f"layer {block.layer} mlp: {entry.k}/{entry.total} neurons, values from the int8 "
                             f"predictor ({rows})")
+
+
+def reads_down_copy(plan, down_weight: torch.Tensor | None) -> bool:
+    """Whether an int8-valued MLP with this down weight reads the plan's bf16 copy of its kept rows:
+    the plan asks for one and the weight is fp32 on the CPU (where the C++ op reads the copy; the
+    masked simulation rounds the same blocks)."""
+    return (plan.down_rows != "model" and down_weight is not None and down_weight.dtype == torch.float32
+            and down_weight.device.type == "cpu")
 
 
 def down_rows(ref, value: torch.Tensor) -> torch.Tensor:
