@@ -1,6 +1,6 @@
 """Where a SmolLM2 decode step goes on CPU: Inductor dense, dejavu exact (no plan) and the default plan
-(also with its projections left to Inductor, and with its output head dense and its down rows read
-from the fp32 weights).
+(each also with Inductor's Python wrapper instead of the C++ wrapper the backend gives its CPU decode
+graphs, and the plan with its projections left to Inductor).
 
     python benchmarks/profile_decode.py                 # the split below, per variant
     python benchmarks/profile_decode.py --layout        # does prepare_model slow dense?
@@ -55,7 +55,6 @@ def main(argv=None) -> int:
     from dejavu_compile.compiler.prepare import prepare_model
     from dejavu_compile.evaluation.bandwidth import bandwidth_bound
     from dejavu_compile.evaluation.bench import compiled_forward, cpu_info, machine_description
-    from dejavu_compile.plan.sparsity_plan import SparsityPlan
 
     model, tok = load_smollm2()
     model.eval()
@@ -79,25 +78,22 @@ def main(argv=None) -> int:
         return 0
 
     plan = load_or_calibrate(model, tok, _default_plan_dir(model, BUNDLED))
-    blocks_only = SparsityPlan(plan.entries, plan.fingerprint, {**plan.settings, "head_candidates": 0,
-                                                                "down_rows": "model"})
     prepare_model(model)
     rate = streaming_rate(model)
     # SmolLM2's output head is its embedding: a dense step reads every parameter once
     dense_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     print(f"streaming rate (the backend's GEMV over every weight): {rate / 1e9:.1f} GB/s")
+    python_wrapper = {"inductor_config": {"cpp_wrapper": False}}  # Inductor's Python wrapper between kernels
+    plan_bytes = dense_bytes / bandwidth_bound(model, plan)
     variants = {"Inductor dense": (compiled_forward("inductor"), dense_bytes),
+                "dejavu exact, Python wrapper": (compiled_forward("dejavu", options=python_wrapper), dense_bytes),
                 "dejavu exact": (compiled_forward("dejavu"), dense_bytes),
-                "dejavu default plan": (compiled_forward("dejavu", options={"plan": plan}),
-                                        dense_bytes / bandwidth_bound(model, plan)),
+                "dejavu default plan, Python wrapper": (
+                    compiled_forward("dejavu", options={"plan": plan, **python_wrapper}), plan_bytes),
+                "dejavu default plan": (compiled_forward("dejavu", options={"plan": plan}), plan_bytes),
                 # the plan with its dense projections left to Inductor (dense_lowering="aten")
                 "dejavu default plan, aten projections": (
-                    compiled_forward("dejavu", options={"plan": plan, "dense_lowering": "aten"}),
-                    dense_bytes / bandwidth_bound(model, plan)),
-                # the plan's blocks alone: the output head dense, the down rows read from the fp32 weights
-                "dejavu default plan, dense head, fp32 down rows": (
-                    compiled_forward("dejavu", options={"plan": blocks_only}),
-                    dense_bytes / bandwidth_bound(model, blocks_only))}
+                    compiled_forward("dejavu", options={"plan": plan, "dense_lowering": "aten"}), plan_bytes)}
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, 8 * len(variants))
     original = model.forward

@@ -141,6 +141,31 @@ def test_inductor_decode_with_the_gemv_matches_eager():
     assert any(r.pass_counts.get("dense_linear", 0) == _projections(model) for r in reports)
 
 
+def test_cpu_decode_graphs_compile_under_inductors_cpp_wrapper(monkeypatch):
+    """A graph holding the backend's C++ ops (a CPU decode graph) reaches Inductor with its C++
+    wrapper on, built apart from the kernels, unless the option inductor_config turns it off; a
+    prefill graph keeps Inductor's own settings. (Inductor itself is not run here: the spy returns
+    the graph; test_inductor_decode_with_the_gemv_matches_eager decodes through the C++ wrapper.)"""
+    import torch._inductor.compile_fx as compile_fx
+
+    seen = []
+
+    def spy(gm, example_inputs, config_patches=None, **kwargs):
+        seen.append((bool(dejavu_op_nodes(gm)), dict(config_patches or {})))
+        return gm.forward
+
+    monkeypatch.setattr(compile_fx, "compile_fx", spy)
+    model = tiny_model("llama", layers=1)
+    cases = (({}, 1), ({"inductor_config": {"cpp_wrapper": False, "size_asserts": False}}, 1), ({}, MAX_ROWS + 1))
+    for options, tokens in cases:
+        _decode(model, {"inner": "inductor", **options}, tokens)
+    (decode_ops, decode), (override_ops, override), (prefill_ops, prefill) = seen
+    assert decode_ops and decode == {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+    assert override_ops and override == {"cpp_wrapper": False, "cpp_wrapper_build_separate": True,
+                                         "size_asserts": False}
+    assert not prefill_ops and "cpp_wrapper" not in prefill
+
+
 def test_machine_tuning_is_measured_once_and_cached_beside_the_build(tmp_path):
     """The settings come from the tried choices and are written where the next process reads them
     (a second call with the file present does not measure again: it returns the file's values)."""

@@ -139,6 +139,19 @@ def _static_examples(tensors) -> list:
     return [fake_mode.from_tensor(t, static_shapes=True) for t in tensors]
 
 
+# Inductor settings for a graph the backend lowered to its C++ CPU ops (a CPU decode graph): a C++
+# wrapper calls the kernels and ops one after another with no Python between them (what the Python
+# wrapper costs a SmolLM2 step: benchmarks/profile_decode.py). The wrapper is built apart from the
+# kernels, at a low optimisation level: built with them at -O3, a 30-layer decode graph takes
+# minutes to compile. The option inductor_config overrides either setting.
+CPU_DECODE_INDUCTOR_CONFIG = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+
+
+def _holds_cpu_ops(gm: fx.GraphModule) -> bool:
+    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+               and n.target.namespace == "dejavu" and n.target._opname.startswith("cpu_") for n in gm.graph.nodes)
+
+
 def _compile_inner_plain(gm: fx.GraphModule, example_inputs, options: dict, mode: str | None):
     if options["inner"] == "eager":
         return gm.forward
@@ -146,6 +159,8 @@ def _compile_inner_plain(gm: fx.GraphModule, example_inputs, options: dict, mode
     from torch._inductor.compile_fx import compile_fx
 
     patches = dict(list_mode_options(mode) if mode else {})
+    if _holds_cpu_ops(gm):
+        patches.update(CPU_DECODE_INDUCTOR_CONFIG)
     patches.update(options["inductor_config"] or {})
     return compile_fx(gm, example_inputs, config_patches=patches or None)
 
