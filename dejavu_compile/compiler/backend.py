@@ -148,8 +148,9 @@ CPU_DECODE_INDUCTOR_CONFIG = {"cpp_wrapper": True, "cpp_wrapper_build_separate":
 
 
 def _holds_cpu_ops(gm: fx.GraphModule) -> bool:
-    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-               and n.target.namespace == "dejavu" and n.target._opname.startswith("cpu_") for n in gm.graph.nodes)
+    from dejavu_compile.compiler.passes.runner import dejavu_op_nodes
+
+    return any(n.target._opname.startswith("cpu_") for n in dejavu_op_nodes(gm))
 
 
 def _compile_inner_plain(gm: fx.GraphModule, example_inputs, options: dict, mode: str | None):
