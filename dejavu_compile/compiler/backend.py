@@ -95,8 +95,15 @@ def validate_options(options: dict | None) -> dict:
                                     f"got {merged['lowering']!r}")
     if merged["dense_lowering"] not in ("auto", "aten"):
         raise DejavuOptionError(f"option 'dense_lowering' must be 'auto' or 'aten', got {merged['dense_lowering']!r}")
-    if not (isinstance(merged["max_batch"], int) and merged["max_batch"] >= 1):
-        raise DejavuOptionError("option 'max_batch' must be a positive int")
+    max_batch = merged["max_batch"]
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise DejavuOptionError(f"option 'max_batch' must be a positive int, got {max_batch!r}")
+    for name in ("simulate", "strict"):  # a truthy string such as "no" must not switch a mode on
+        if not isinstance(merged[name], bool):
+            raise DejavuOptionError(f"option {name!r} must be True or False, got {merged[name]!r}")
+    if merged["on_report"] is not None and not callable(merged["on_report"]):
+        raise DejavuOptionError(f"option 'on_report' must be a callable taking a BackendReport, "
+                                f"got {merged['on_report']!r}")
     return merged
 
 
@@ -116,14 +123,18 @@ def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return copy
 
 
-def _compile_inner(gm: fx.GraphModule, example_inputs, options: dict, mode: str | None):
+def _compile_inner(gm: fx.GraphModule, example_inputs, options: dict, mode: str | None, watch=None):
+    """``watch``: a WeightWatch over the parameters the added tensors were derived from."""
     extra = gm.meta.get("dejavu_extra_inputs")
     if extra:  # tensors a pass added (predictor weights) follow the inputs Dynamo passes
         compiled = _compile_inner_plain(gm, [*example_inputs, *_static_examples(extra)], options, mode)
 
         def run_with_extra_inputs(*args):
+            if watch is not None:
+                watch.check(args)
             return compiled(*args, *extra)
 
+        run_with_extra_inputs.weight_watch = watch
         return run_with_extra_inputs
     return _compile_inner_plain(gm, example_inputs, options, mode)
 
@@ -177,6 +188,7 @@ class DejavuBackend:
             raise DejavuOptionError(f"unexpected argument(s) {sorted(unexpected)} for the dejavu backend; "
                              "pass settings as options={...}")
         opts = validate_options(options)
+        given = dict(opts)  # the passes replace opts["plan"] with the training-free one
         if mode not in (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
             raise DejavuOptionError(f"unknown mode {mode!r}")
         report = BackendReport(graph_id=str(gm.meta.get("dynamo_compile_id", "")))
@@ -197,7 +209,27 @@ class DejavuBackend:
         report.extra_bytes = sum(t.numel() * t.element_size() for t in gm.meta.get("dejavu_extra_inputs", ()))
         if opts["on_report"] is not None:
             opts["on_report"](report)
-        return _compile_inner(gm, example_inputs, opts, mode)
+        watch = None
+        if gm is not original and gm.meta.get("dejavu_extra_inputs"):
+            watch = self._weight_watch(original, example_inputs, given, gm.meta["dejavu_extra_inputs"])
+        return _compile_inner(gm, example_inputs, opts, mode, watch)
+
+    def _weight_watch(self, original: fx.GraphModule, example_inputs, given: dict, derived: list):
+        """A WeightWatch that derives this graph's added tensors again by rerunning the passes on
+        the untouched graph with the current weights (the weights check included, so a calibrated
+        plan that no longer fits raises)."""
+        from dejavu_compile.compiler.weight_watch import WeightWatch, parameter_positions
+
+        grad_enabled = torch.is_grad_enabled()
+        placeholders = [n for n in original.graph.nodes if n.op == "placeholder"]
+
+        def derive(args):
+            report = BackendReport(graph_id=f"{original.meta.get('dynamo_compile_id', '')} (weights changed)")
+            with torch.set_grad_enabled(grad_enabled):
+                gm = self.run_passes(_copy_graph_module(original), args, dict(given), report)
+            return list(gm.meta.get("dejavu_extra_inputs", ()))
+
+        return WeightWatch(example_inputs, parameter_positions(placeholders, example_inputs), derived, derive)
 
     def run_passes(self, gm, example_inputs, opts, report: BackendReport) -> fx.GraphModule:
         """The sparsity passes (``passes/sparsify.py``) over ``gm``, in order (``passes/runner.py``),
