@@ -37,6 +37,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -271,6 +273,8 @@ class SparsityPlan:
     entries: dict[tuple[int, str], PlanEntry]
     fingerprint: dict[str, Any]
     settings: dict[str, Any] = field(default_factory=dict)
+    # the format of the file the plan was loaded from (a plan made in memory has the current one)
+    format_version: int = FORMAT_VERSION
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -388,6 +392,8 @@ class SparsityPlan:
                 "settings": self.settings, "entries": records, "tensors_sha256": _digest(tensors)}
         save_file(tensors, str(d / "predictors.safetensors"))
         (d / "plan.json").write_text(json.dumps(meta, indent=1, default=_json_default))
+        # safetensors writes through a private (0600) temporary file: give both files plan.json's mode
+        os.chmod(d / "predictors.safetensors", stat.S_IMODE((d / "plan.json").stat().st_mode))
         return d
 
     @classmethod
@@ -431,7 +437,8 @@ class SparsityPlan:
         entries = {}
         for r in records:
             try:
-                layer, kind, k, total = int(r["layer"]), r["kind"], int(r["k"]), int(r["total"])
+                layer, kind, k, total = (_json_int(r, "layer"), r["kind"], _json_int(r, "k"),
+                                         _json_int(r, "total"))
                 values = r.get("values", "exact")  # plans written before values existed: exact
                 if kind not in KINDS or values not in VALUES or not (1 <= k <= total):
                     raise ValueError(f"bad values {r!r}")
@@ -444,6 +451,9 @@ class SparsityPlan:
             _validate_entry(e)
             entries[(layer, kind)] = e
         fingerprint = meta.get("fingerprint", {})
+        if version >= 3 and not (isinstance(fingerprint, dict) and "weight_sample" in fingerprint):
+            raise ValueError(f"{meta_path} is corrupt: plan format {version} binds the plan to its model's weights "
+                             "with 'fingerprint.weight_sample', which is missing; recalibrate")
         _validate_weight_sample(fingerprint, meta_path)
         settings = meta.get("settings", {})
         if not isinstance(settings, dict):
@@ -453,10 +463,18 @@ class SparsityPlan:
             check_down_rows(settings.get("down_rows", "model"))
         except ValueError as err:
             raise ValueError(f"{meta_path} is corrupt: {err}") from None
-        plan = cls(entries, fingerprint, settings)
+        plan = cls(entries, fingerprint, settings, format_version=version)
         if model is not None:
             plan.check(model)
         return plan
+
+
+def _json_int(record: dict, key: str) -> int:
+    """``record[key]`` if it is a JSON integer; a bool, string or float is a corrupt field, not cast."""
+    value = record[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key!r} must be an integer, got {value!r}")
+    return value
 
 
 def _v1_predictor(record: dict, stored: dict[str, torch.Tensor]) -> tuple[str | None, dict[str, torch.Tensor]]:

@@ -58,7 +58,7 @@ def weight_differences(plan, named_tensors) -> tuple[list[str], int]:
 
 class WeightsCheck:
     """Raises :class:`PlanMismatchError` naming the parameters whose values differ from the plan's
-    weight sample. A plan without a sample (saved in format 1 or 2) is logged once as unverifiable;
+    weight sample. A plan without a sample (a file of format 1 or 2) is logged once as unverifiable;
     the training-free plan (option ``mlp_density``) is built from these weights and not checked.
     Counts the parameters compared."""
 
@@ -71,9 +71,10 @@ class WeightsCheck:
         if plan.weight_sample is None:
             if plan not in _unverifiable_logged:
                 _unverifiable_logged.add(plan)
-                log.warning("dejavu: this sparsity plan has no weight sample (saved by an older dejavu-compile, "
-                            "plan format 1 or 2), so the backend cannot verify it was calibrated on this model's "
-                            "weights; recalibrate to bind it to them")
+                origin = (f"plan format {plan.format_version}, saved by an older dejavu-compile"
+                          if plan.format_version < 3 else "a plan built without model_fingerprint(model)")
+                log.warning("dejavu: this sparsity plan has no weight sample (%s), so the backend cannot verify "
+                            "it was calibrated on this model's weights; recalibrate to bind it to them", origin)
             ctx.count(self.name, 0)
             return gm
         params = [(name, value) for node, value in ctx.values(gm).items()
