@@ -182,6 +182,7 @@ def calibrate(
         several densities from one fit (attention density stays `attn_density`).
     """
     _check_choices(predictor, values, allocation)
+    _check_collection(tokenizer, samples, max_tokens, seq_len)
     check_down_rows(down_rows)
     if head_candidates is None:
         head = model.get_output_embeddings()
@@ -230,6 +231,15 @@ def _check_choices(predictor: str, values: str, allocation: str) -> None:
         raise ValueError(f"values must be 'auto', 'exact' or 'predictor', got {values!r}")
     if allocation not in ("auto", "uniform", "greedy"):
         raise ValueError(f"allocation must be 'auto', 'uniform' or 'greedy', got {allocation!r}")
+
+
+def _check_collection(tokenizer, samples, max_tokens, seq_len) -> None:
+    for name, value in (("max_tokens", max_tokens), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int (tokens), got {value!r}")
+    if samples is None and tokenizer is None:
+        raise ValueError("calibrate needs the model's tokenizer to turn the calibration text into token ids "
+                         "(or precomputed samples=)")
 
 
 def split_holdout(chunks: list, max_tokens: int, seq_len: int) -> tuple[list, list]:

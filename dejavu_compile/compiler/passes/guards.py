@@ -18,6 +18,11 @@ def training_reason(gm: fx.GraphModule, example_inputs) -> str | None:
             training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
             if training:
                 return "the model is in training mode (dropout active)"
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "scaled_dot_product_attention":
+            # HF attention passes its dropout into SDPA (dropout_p, the fifth argument) in train mode
+            dropout_p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+            if not isinstance(dropout_p, (int, float)) or dropout_p > 0:
+                return f"the model is in training mode (attention dropout {dropout_p} in scaled_dot_product_attention)"
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, example_inputs):
         if isinstance(value, torch.Tensor) and value.requires_grad and param_name(node) is None:
