@@ -10,8 +10,16 @@ decoder-only Hugging Face models without padding.
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
+
+
+def cache_keyword(model) -> str:
+    """The keyword ``model``'s forward takes its KV cache by: ``cache`` in recent transformers
+    (which deprecates ``past_key_values``), ``past_key_values`` before."""
+    forward = type(model).forward if isinstance(model, torch.nn.Module) else model
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def greedy_decode(model, input_ids: torch.LongTensor, max_new_tokens: int, *, eos_token_id: int | None = None,
@@ -44,13 +52,14 @@ def greedy_decode(model, input_ids: torch.LongTensor, max_new_tokens: int, *, eo
     finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     position = torch.arange(prompt, device=input_ids.device)
     tokens = input_ids
+    keyword = cache_keyword(model)
     graphs_before_last_step = None
     with torch.no_grad(), contextlib.ExitStack() as unguarded:
         for step in range(max_new_tokens):
             if skip_guards and step == 3 and _compiled_graphs() == graphs_before_last_step:  # decode step 2 compiled nothing
                 unguarded.enter_context(torch.compiler.set_stance("default", skip_guard_eval_unsafe=True))
             graphs_before_last_step = _compiled_graphs()
-            logits = model(input_ids=tokens, past_key_values=cache, use_cache=True, cache_position=position).logits
+            logits = model(input_ids=tokens, **{keyword: cache}, use_cache=True, cache_position=position).logits
             tokens = logits[:, -1].argmax(-1, keepdim=True)
             if eos_token_id is not None:
                 tokens = tokens.masked_fill(finished[:, None], eos_token_id)
