@@ -26,16 +26,10 @@ from dejavu_compile.compiler.passes.lowering import choose_lowering  # noqa: E40
 from dejavu_compile.kernels import int8_linear  # noqa: E402
 from dejavu_compile.kernels.cpu import native  # noqa: E402
 from dejavu_compile.testing.tiny import tiny_model  # noqa: E402
+from tests.helpers import ByteTokenizer  # noqa: E402
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 TEXT = " ".join(f"token{i % 37} word{i % 11}" for i in range(60))
-
-
-class ByteTokenizer:
-    eos_token_id = 2
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [3 + ord(c) % 120 for c in text]}
 
 
 def cast_model(dtype):

@@ -17,16 +17,10 @@ from dejavu_compile.calibration.collect import collect  # noqa: E402
 from dejavu_compile.evaluation.perplexity import perplexity  # noqa: E402
 from dejavu_compile.plan.sparsity_plan import SparsityPlan  # noqa: E402
 from dejavu_compile.testing.tiny import tiny_model  # noqa: E402
+from tests.helpers import ByteTokenizer  # noqa: E402
 
 MAX_TOKENS, SEQ_LEN = 512, 32
 TEXT = " ".join(f"token{i % 37} word{i % 11}" for i in range(47))  # 20 chunks of 32: the 4 beyond MAX_TOKENS held out
-
-
-class ByteTokenizer:
-    eos_token_id = 2
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [3 + ord(c) % 120 for c in text]}
 
 
 def model_with_strong_mlps():

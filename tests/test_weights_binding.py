@@ -9,36 +9,13 @@ import pytest
 import torch
 
 from dejavu_compile.errors import PlanMismatchError
-from dejavu_compile.plan.predictors.glu_int8 import int8_glu_predictor
-from dejavu_compile.plan.sparsity_plan import FORMAT_VERSION, PlanEntry, SparsityPlan, model_fingerprint
+from dejavu_compile.plan.sparsity_plan import FORMAT_VERSION, SparsityPlan
 from dejavu_compile.testing.tiny import tiny_model
+from tests.helpers import fine_tuned, int8_plan
 
 
 def _ids(batch=1, seed=0):
     return torch.randint(3, 120, (batch, 1), generator=torch.Generator().manual_seed(seed))
-
-
-def _int8_plan(model, density=0.5):
-    """What calibrate makes by default on CPU: each MLP's own gate/up in int8, values from it."""
-    entries = {}
-    for layer, block in enumerate(model.model.layers):
-        mlp = block.mlp
-        total = mlp.gate_proj.weight.shape[0]
-        entries[(layer, "mlp")] = PlanEntry(layer, "mlp", round(total * density), total, "glu_int8",
-                                            int8_glu_predictor(mlp.gate_proj.weight, mlp.up_proj.weight),
-                                            lookahead=False, values="predictor")
-    return SparsityPlan(entries, model_fingerprint(model))
-
-
-def _fine_tuned(model, scale=0.05, seed=1):
-    """Another checkpoint of the same architecture: every matrix moved by `scale` of its spread."""
-    other = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in other.parameters():
-            if p.dim() == 2:
-                p.add_(torch.randn(p.shape, generator=gen) * p.std() * scale)
-    return other
 
 
 def _compile_and_run(model, plan, **options):
@@ -52,8 +29,8 @@ def _compile_and_run(model, plan, **options):
 
 def test_backend_rejects_a_plan_of_another_checkpoint():
     model = tiny_model("llama")
-    plan = _int8_plan(model)
-    for other in (_fine_tuned(model), _fine_tuned(model).to(torch.bfloat16)):
+    plan = int8_plan(model)
+    for other in (fine_tuned(model), fine_tuned(model).to(torch.bfloat16)):
         torch._dynamo.reset()
         names = r"weights differ .* in 16 of 21 parameters \(model\.embed_tokens\.weight, model\.layers\.0\.self_attn"
         with pytest.raises(PlanMismatchError, match=names):  # the norms' weights (all ones) are unchanged
@@ -65,7 +42,7 @@ def test_backend_rejects_a_plan_of_another_checkpoint():
 def test_a_small_fine_tune_is_caught_at_the_coarser_dtype():
     """Each value moved by ~2% (more than bf16's precision): caught in fp32 and in bf16."""
     model = tiny_model("llama")
-    plan = _int8_plan(model)
+    plan = int8_plan(model)
     gen = torch.Generator().manual_seed(2)
     other = copy.deepcopy(model)
     with torch.no_grad():
@@ -79,7 +56,7 @@ def test_a_small_fine_tune_is_caught_at_the_coarser_dtype():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_dtype_cast_of_the_same_checkpoint_passes(dtype):
     model = tiny_model("llama")
-    plan = _int8_plan(model)
+    plan = int8_plan(model)
     cast = copy.deepcopy(model).to(dtype)
     plan.check(cast)
     reports = _compile_and_run(cast, plan, simulate=True)
@@ -92,7 +69,7 @@ def test_the_verdict_is_cached_across_recompiles(monkeypatch):
     from dejavu_compile.compiler.passes import weights_check
 
     model = tiny_model("llama")
-    plan = _int8_plan(model)
+    plan = int8_plan(model)
     calls = []
     real = weights_check.same_weights
     monkeypatch.setattr(weights_check, "same_weights", lambda *a: calls.append(a[1]) or real(*a))
@@ -114,7 +91,7 @@ def test_prepared_weights_are_the_same_weights():
     from dejavu_compile.compiler.prepare import prepare_model
 
     model = tiny_model("llama")
-    plan = _int8_plan(model)
+    plan = int8_plan(model)
     assert prepare_model(model)
     plan.check(model)
     assert _compile_and_run(model, plan)[-1].rewritten
@@ -122,19 +99,19 @@ def test_prepared_weights_are_the_same_weights():
 
 def test_saved_plan_keeps_its_weight_sample(tmp_path):
     model = tiny_model("llama")
-    plan = _int8_plan(model)
+    plan = int8_plan(model)
     plan.save(tmp_path)
     meta = json.loads((tmp_path / "plan.json").read_text())
     assert meta["version"] == FORMAT_VERSION == 3
     back = SparsityPlan.load(tmp_path, model=model.to(torch.bfloat16))
     assert back.weight_sample == plan.weight_sample
     with pytest.raises(PlanMismatchError, match="weights differ"):
-        SparsityPlan.load(tmp_path, model=_fine_tuned(model))
+        SparsityPlan.load(tmp_path, model=fine_tuned(model))
 
 
 def test_format_2_plans_load_and_are_logged_once_as_unverifiable(tmp_path, caplog):
     model = tiny_model("llama")
-    plan = _int8_plan(model)
+    plan = int8_plan(model)
     plan.save(tmp_path)
     meta = json.loads((tmp_path / "plan.json").read_text())
     meta["version"] = 2  # format 2: format 3 without the sample
@@ -143,10 +120,10 @@ def test_format_2_plans_load_and_are_logged_once_as_unverifiable(tmp_path, caplo
     old = SparsityPlan.load(tmp_path, model=model)
     assert old.weight_sample is None
     with pytest.raises(ValueError, match="weights differ"):  # the old hash check
-        old.check(_fine_tuned(model))
+        old.check(fine_tuned(model))
     with caplog.at_level(logging.WARNING, logger="dejavu_compile"):
         _compile_and_run(model, old)
         torch._dynamo.reset()
         _compile_and_run(model, old, simulate=True)
     unverifiable = [r for r in caplog.records if "no weight sample" in r.getMessage()]
-    assert len(unverifiable) == 1
+    assert len(unverifiable) == 1 and "plan format 2," in unverifiable[0].getMessage()
