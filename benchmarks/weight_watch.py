@@ -1,0 +1,125 @@
+"""What the weight-change check costs a SmolLM2-135M decode step on the CPU.
+
+    python benchmarks/weight_watch.py            # writes benchmarks/results/weight-watch.json
+    python benchmarks/weight_watch.py --threads 2 --new-tokens 48 --repeats 7
+
+A graph the backend rewrote holds tensors derived from the weights (here the training-free plan's
+int8 gate/up copies, ``mlp_density=0.6``), and on every call compares each parameter input's
+version counter and storage with the ones it was derived from (``compiler/weight_watch.py``). One
+compiled forward is measured with the check on and off (``weight_watch.ENABLED``), as two variants of
+``evaluation.bench.measure_decode``: fp32, batch 1, greedy, ``generate()`` with a static cache, the
+variants interleaved in each round, medians. The check alone is also timed directly, on the decode
+graph's own arguments, since its cost is far below the step-to-step spread of a whole step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import time
+
+import torch
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def _watched_calls(compiled, model, ids):
+    """[(watch, args)] of every graph with a weight watch that one decode step calls."""
+    from dejavu_compile.compiler import weight_watch
+
+    seen = {}
+    original = weight_watch.WeightWatch.check
+
+    def record(self, args):
+        seen[id(self)] = (self, list(args))
+        return original(self, args)
+
+    weight_watch.WeightWatch.check = record
+    try:
+        model.forward = compiled
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, cache_implementation="static",
+                           pad_token_id=model.config.eos_token_id)
+    finally:
+        weight_watch.WeightWatch.check = original
+    return list(seen.values())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--check-calls", type=int, default=2000)
+    ap.add_argument("--out", default=str(RESULTS / "weight-watch.json"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    from dejavu_compile.assets.models import load_smollm2
+    from dejavu_compile.cli import machine
+    from dejavu_compile.compiler import weight_watch
+    from dejavu_compile.compiler.prepare import prepare_model
+    from dejavu_compile.evaluation.bench import Variant, measure_decode
+
+    model, tok = load_smollm2()
+    prepare_model(model)
+    ids = tok("The history of the city begins", return_tensors="pt").input_ids
+    original = model.forward
+    compiled = torch.compile(original, backend="dejavu", options={"mlp_density": 0.6})
+
+    def with_check(enabled):
+        def forward(*a, **kw):
+            weight_watch.ENABLED = enabled
+            return compiled(*a, **kw)
+        return lambda _forward: forward
+
+    variants = [Variant("check on", with_check(True)), Variant("check off", with_check(False))]
+    try:
+        speed = measure_decode(model, ids, variants, new_tokens=args.new_tokens, repeats=args.repeats)
+        watched = _watched_calls(compiled, model, ids)
+    finally:
+        weight_watch.ENABLED = True
+        model.forward = original
+    if not watched:
+        raise SystemExit("no compiled graph holds a weight watch: the plan did not make the decode graph sparse")
+    if not torch.equal(variants[0].outputs, variants[1].outputs):
+        raise SystemExit("the two variants generated different tokens")
+
+    # the check alone, as a decode step runs it: every watched graph of the step, weights unchanged
+    check_us = []
+    for _ in range(args.check_calls):
+        start = time.perf_counter()
+        for watch, call_args in watched:
+            watch.check(call_args)
+        check_us.append((time.perf_counter() - start) * 1e6)
+    on, off = speed["check on"]["tokens_per_s"], speed["check off"]["tokens_per_s"]
+    step_ms = 1e3 / off
+    check_median = statistics.median(check_us)
+    result = {
+        "machine": machine(),
+        "model": "SmolLM2-135M-Instruct fp32, prepare_model, options={'mlp_density': 0.6}",
+        "new_tokens": args.new_tokens, "repeats": args.repeats,
+        "tokens_per_s": {"check on": on, "check off": off},
+        "runs": {name: speed[name]["runs"] for name in speed},
+        "step_ms_check_off": step_ms,
+        "ratio_on_over_off": on / off,
+        "watched_graphs_per_step": len(watched),
+        "watched_parameters_per_step": sum(len(w.positions) for w, _ in watched),
+        "check_us_per_step_median": check_median,
+        "check_share_of_step": check_median / (step_ms * 1e3),
+    }
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+    m = result["machine"]
+    print(f"machine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}")
+    print(f"decode: check on {on:.1f} tokens/s, check off {off:.1f} tokens/s (on/off {on / off:.3f}); "
+          f"step {step_ms:.2f} ms")
+    print(f"the check alone: {check_median:.1f} us per step over {result['watched_parameters_per_step']} "
+          f"parameters in {len(watched)} graph(s), {100 * result['check_share_of_step']:.2f}% of a step")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
