@@ -88,8 +88,9 @@ def _is_generate(fn) -> bool:
 def changes_values(options: dict) -> bool:
     """Whether these backend options make the model sparse (its outputs then differ by design)."""
     plan = options.get("plan")
-    if options.get("mlp_density") is not None:
-        return True
+    density = options.get("mlp_density")
+    if density is not None:
+        return not (isinstance(density, (int, float)) and density >= 1)  # 1.0 keeps every neuron
     return plan is not None and (any(not e.dense for e in plan.entries.values()) or plan.head_candidates > 0)
 
 
