@@ -156,22 +156,18 @@ class _IsolatedCompile:
 def greedy_generate(model, ids, new_tokens: int = 16, cache: str = "dynamic",
                     dejavu_options: dict | None = None) -> torch.Tensor:
     """Greedy tokens from ``model.generate``; with ``dejavu_options`` its forward is compiled with
-    the dejavu backend for this call, on a code object of its own (every forward call must run a
-    compiled graph). ``cache`` is "dynamic" (DynamicCache) or "static"."""
+    the dejavu backend for this call. ``cache`` is "dynamic" (DynamicCache) or "static"."""
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     if cache == "static":
         kwargs["cache_implementation"] = "static"
-    original, compiled = model.forward, None
+    original = model.forward
     if dejavu_options is not None:
-        compiled = _IsolatedCompile(original, dejavu_options, "dejavu_greedy_generate")
-        model.forward = compiled
+        model.forward = torch.compile(original, backend="dejavu", options=dejavu_options)
     try:
         with torch.no_grad():
             return model.generate(ids, **kwargs)
     finally:
         model.forward = original
-        if compiled is not None:
-            compiled.close()
 
 
 def _is_causal_lm(model, args, kwargs) -> bool:
