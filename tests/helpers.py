@@ -6,9 +6,9 @@ import copy
 
 import torch
 
-from dejavu_compile.evaluation.decode import cache_keyword
 from dejavu_compile.plan.predictors.glu_int8 import int8_glu_predictor
 from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan, model_fingerprint
+from dejavu_compile.testing import _decode_logits
 
 
 def token_ids(batch: int = 1, tokens: int = 6, seed: int = 0) -> torch.Tensor:
@@ -43,18 +43,8 @@ def fine_tuned(model, scale: float = 0.05, seed: int = 1):
 def decode_logits(forward, model, ids: torch.Tensor, tokens: list[torch.Tensor]) -> torch.Tensor:
     """Last-position logits of a prefill of ``ids`` through ``forward`` and of one decode step per
     token of ``tokens`` over a static cache of ``model``'s config: (1 + len(tokens), batch, vocab)."""
-    from transformers import StaticCache
-
-    prompt, keyword = ids.shape[1], cache_keyword(model)
-    cache = StaticCache(config=model.config, max_cache_len=prompt + len(tokens))
-    rows = []
     with torch.no_grad():
-        out = forward(input_ids=ids, **{keyword: cache}, use_cache=True, cache_position=torch.arange(prompt))
-        rows.append(out.logits[:, -1])
-        for step, token in enumerate(tokens):
-            out = forward(input_ids=token, **{keyword: cache}, use_cache=True,
-                          cache_position=torch.tensor([prompt + step]))
-            rows.append(out.logits[:, -1])
+        rows, _ = _decode_logits(forward, model, ids, tokens, len(tokens))
     return torch.stack(rows)
 
 

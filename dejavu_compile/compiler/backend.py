@@ -221,7 +221,6 @@ class DejavuBackend:
         from dejavu_compile.compiler.weight_watch import WeightWatch, parameter_positions
 
         grad_enabled = torch.is_grad_enabled()
-        placeholders = [n for n in original.graph.nodes if n.op == "placeholder"]
 
         def derive(args):
             report = BackendReport(graph_id=f"{original.meta.get('dynamo_compile_id', '')} (weights changed)")
@@ -229,7 +228,7 @@ class DejavuBackend:
                 gm = self.run_passes(_copy_graph_module(original), args, dict(given), report)
             return list(gm.meta.get("dejavu_extra_inputs", ()))
 
-        return WeightWatch(example_inputs, parameter_positions(placeholders, example_inputs), derived, derive)
+        return WeightWatch(example_inputs, parameter_positions(example_inputs), derived, derive)
 
     def run_passes(self, gm, example_inputs, opts, report: BackendReport) -> fx.GraphModule:
         """The sparsity passes (``passes/sparsify.py``) over ``gm``, in order (``passes/runner.py``),

@@ -67,8 +67,7 @@ class WeightWatch:
         self.rederived += 1
 
 
-def parameter_positions(placeholders, example_inputs) -> list[int]:
+def parameter_positions(example_inputs) -> list[int]:
     """Positions of the graph inputs that are the model's parameters (what derived tensors come
     from); buffers are left out: some models write theirs on every call."""
-    return [i for i, (node, value) in enumerate(zip(placeholders, example_inputs))
-            if isinstance(value, torch.nn.Parameter)]
+    return [i for i, value in enumerate(example_inputs) if isinstance(value, torch.nn.Parameter)]
