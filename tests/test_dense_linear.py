@@ -3,6 +3,8 @@ its fallbacks, and the dense_linear pass in whole models (every projection left 
 decode shapes, none in prefill or training graphs, the output equals eager)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,23 +18,30 @@ from dejavu_compile.testing.tiny import tiny_model
 torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(not native.load_ops(), reason=f"C++ ops unavailable: {native._OPS['error']}")
 EPS32 = torch.finfo(torch.float32).eps
+# Half a unit in the last place of each dtype, relative: the one rounding of a half-precision result.
+HALF_ULP = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
 
-def _reference(x, w, b):
-    """float64 x @ w.T + b, and a bound on fp32's summation error for it (d products per output)."""
+def _reference(x, w, b, dtype=torch.float32):
+    """float64 x @ w.T + b, and a bound on the op's error for it: fp32's summation error (d products
+    per output), plus, in bf16 or fp16, the one rounding of the result to that dtype."""
     ref = F.linear(x.double(), w.double(), None if b is None else b.double())
     scale = F.linear(x.double().abs(), w.double().abs(), None if b is None else b.double().abs())
-    return ref, 2 * (x.shape[-1] + 2) * EPS32 * scale + 1e-30
+    fp32 = 2 * (x.shape[-1] + 2) * EPS32 * scale
+    half_subnormal = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps / 2  # a result below the normals
+    return ref, fp32 + HALF_ULP[dtype] * (ref.abs() + fp32) + half_subnormal + 1e-30
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(lead=st.sampled_from([(1,), (3,), (1, 1), (2, 3), (MAX_ROWS,)]), d=st.integers(1, 140),
        n=st.integers(1, 130), layout=st.sampled_from(["rows", "transposed", "row_stride"]), bias=st.booleans(),
-       threads=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2 ** 16))
-def test_cpu_linear_matches_float64(lead, d, n, layout, bias, threads, seed):
+       threads=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2 ** 16),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_cpu_linear_matches_float64(lead, d, n, layout, bias, threads, seed, dtype):
     """Both stored layouts (nn.Linear's rows; the transposed storage prepare_model gives down and
     output projections), rows a stride apart, 1 to MAX_ROWS rows, odd sizes that leave vector tails,
-    1-3 threads. The op allocates its output in C++; comparing every element catches one left unwritten."""
+    1-3 threads, fp32, bf16 and fp16 (weights read as stored, against float64 of the same values).
+    The op allocates its output in C++; comparing every element catches one left unwritten."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(*lead, d, generator=g)
     if layout == "rows":
@@ -42,19 +51,42 @@ def test_cpu_linear_matches_float64(lead, d, n, layout, bias, threads, seed):
     else:
         w = torch.randn(n, d + 7, generator=g)[:, 3:3 + d]
     b = torch.randn(n, generator=g) if bias else None
+    x, w, b = x.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         out = torch.ops.dejavu.cpu_linear(x, w, b)
     finally:
         torch.set_num_threads(before)
-    ref, bound = _reference(x, w, b)
-    assert out.shape == (*lead, n) and out.dtype == torch.float32
+    ref, bound = _reference(x, w, b, dtype)
+    assert out.shape == (*lead, n) and out.dtype == dtype
     err = (out.double() - ref).abs()
     assert bool((err <= bound).all()), f"max error {err.max().item():.3e}, bound there {bound.flatten()[err.argmax()]:.3e}"
 
 
-@pytest.mark.parametrize("case", ["many rows", "float64", "no unit stride", "empty"])
+SPECIAL_WEIGHTS = {  # signed zeros, subnormals, the extremes: each must widen to its exact value
+    torch.float16: [0.0, -0.0, 6e-8, -6e-8, 3e-5, -3e-5, 6.1e-5, 65504.0, -65504.0, 1.0, -2.5],
+    torch.bfloat16: [0.0, -0.0, 1e-40, -1e-40, 1.2e-38, -1.2e-38, 3e38, -3e38, 1.0, -2.5],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cpu_linear_reads_every_half_precision_value_exactly(dtype):
+    """Each special value at every position of rows long and short (the vector loop and the scalar
+    tail, both layouts), read through a one-hot x: the output is the weight itself, bit for bit."""
+    values = torch.tensor(SPECIAL_WEIGHTS[dtype], dtype=dtype)
+    for d in (1, 7, 16, 17, 40, 67):
+        for j in range(d):
+            w = torch.zeros(len(values), d, dtype=dtype)
+            w[:, j] = values
+            x = torch.zeros(1, d, dtype=dtype)
+            x[0, j] = 1.0
+            for weight in (w, w.t().contiguous().t()):
+                out = torch.ops.dejavu.cpu_linear(x, weight, None)
+                assert torch.equal(out[0], values), (dtype, d, j, out[0], values)
+
+
+@pytest.mark.parametrize("case", ["many rows", "float64", "mixed dtypes", "no unit stride", "empty"])
 def test_cpu_linear_hands_other_calls_to_aten(case):
     """Calls the GEMV kernels do not take give exactly what F.linear gives (it is what runs)."""
     g = torch.Generator().manual_seed(0)
@@ -63,6 +95,13 @@ def test_cpu_linear_hands_other_calls_to_aten(case):
         x = torch.randn(MAX_ROWS + 1, 40, generator=g)
     elif case == "float64":
         x, w, b = x.double(), w.double(), b.double()
+    elif case == "mixed dtypes":  # an fp32 bias on bf16 x and w: F.linear's own error
+        x, w = x.bfloat16(), w.bfloat16()
+        with pytest.raises(RuntimeError) as expected:
+            F.linear(x, w, b)
+        with pytest.raises(RuntimeError, match=re.escape(str(expected.value))):
+            torch.ops.dejavu.cpu_linear(x, w, b)
+        return
     elif case == "no unit stride":
         w = torch.randn(48, 80, generator=g)[::2, ::2]
     else:

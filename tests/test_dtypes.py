@@ -1,9 +1,10 @@
 """bf16 and fp16 models on CPU: calibrated and compiled (Inductor, eager, the masked simulation),
 each decode step compared with a masked reference computed in float64 from the same cast weights.
 
-The C++ ops are fp32 only: a bf16/fp16 model's sparse MLPs take the decomposed aten form under
-Inductor and the custom op under eager, in the model's dtype; the int8 predictor scores in fp32
-(its input cast) in a model of any dtype, as calibration scores it.
+A bf16/fp16 model's sparse MLPs take the C++ ops where they build (weights read as stored, sums in
+fp32), and the decomposed aten form (Inductor) or the custom op (eager) in the model's dtype when
+asked for by ``cpu_lowering``; the int8 predictor scores in fp32 (its input cast) in a model of any
+dtype, as calibration scores it.
 
 Tolerances, relative to the reference logits' largest magnitude: bf16 keeps 8 significant bits
 (unit roundoff 2^-9 = 2e-3), fp16 11 (2^-12 = 2.4e-4); two layers of matmuls, norms and rotary
@@ -119,7 +120,10 @@ def test_half_model_calibrates_compiles_and_decodes_like_float64(dtype, predicto
     references, dense = float64_references(model, plan, ids)
     tol = TOLERANCE[dtype]
     assert min(_relative(dense, r) for r in references) > 3 * tol  # the plan moves the logits past the tolerance
-    for options in ({"inner": "inductor"}, {"inner": "eager"}, {"inner": "eager", "simulate": True}):
+    exact_values = plan.entries[(0, "mlp")].values == "exact"
+    native_ops = native.load_ops()
+    for options in ({"inner": "inductor"}, {"inner": "eager"}, {"inner": "inductor", "cpu_lowering": "decomposed"},
+                    {"inner": "eager", "cpu_lowering": "op"}, {"inner": "eager", "simulate": True}):
         torch._dynamo.reset()
         reports = []
         with torch.no_grad():
@@ -129,16 +133,19 @@ def test_half_model_calibrates_compiles_and_decodes_like_float64(dtype, predicto
         error = min(_relative(got, r) for r in references)
         assert error < tol, (options, error)
         ops = _dejavu_ops(reports[-1])
-        assert not any("cpu_sparse_mlp" in op or "cpu_glu_int8_mlp" in op for op in ops), ops  # fp32-only ops
         if options.get("simulate"):
             continue
-        exact_values = plan.entries[(0, "mlp")].values == "exact"
-        if exact_values and options["inner"] == "eager":
+        fused_block = any("cpu_glu_int8_mlp" in op for op in ops)
+        lowering = options.get("cpu_lowering", "native" if native_ops else None)
+        if lowering == "native":  # the C++ ops in the model's dtype
+            assert any("cpu_sparse_mlp" in op for op in ops) if exact_values else fused_block, ops
+            assert any("cpu_linear" in op for op in ops), ops  # the dense projections too
+        elif exact_values and options["inner"] == "eager":
             assert any("sparse_gated_mlp" in op for op in ops), ops  # the custom op
         elif exact_values:
             targets = {n.target for n in reports[-1].graph.graph.nodes}
             assert torch.nn.functional.embedding_bag in targets  # the decomposed aten form
-        if predictor == "int8" and exact_values and native.load_ops():
+        if predictor == "int8" and exact_values and native_ops:
             assert any("cpu_glu_int8_topk" in op for op in ops), ops  # predictor fused, fp32 input
 
 
@@ -174,11 +181,12 @@ def test_collection_records_fp32_statistics_of_a_bf16_model():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_lowering_by_dtype(dtype):
-    """fp32: the C++ ops where they build; bf16/fp16: decomposed under Inductor, the op under eager."""
+    """Every CPU float dtype: the C++ ops where they build; else decomposed under Inductor, the op under eager."""
     weight = torch.zeros(8, 4, dtype=dtype)
     for inner, fallback in (("inductor", "decomposed"), ("eager", "op")):
         name = choose_lowering({"inner": inner}, weight).name
-        assert name == ("native" if dtype == torch.float32 and native.load_ops() else fallback), (dtype, inner)
+        assert name == ("native" if native.load_ops() else fallback), (dtype, inner)
+        assert choose_lowering({"inner": inner}, weight.double()).name == fallback  # no kernel for float64
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -10,7 +10,16 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from tests.conftest_kernels import act64, act_slope, assert_close, int8_rows, mlp_cases, mlp_problem, mlp_reference
+from tests.conftest_kernels import (
+    RTOL,
+    act64,
+    act_slope,
+    assert_close,
+    int8_rows,
+    mlp_cases,
+    mlp_problem,
+    mlp_reference,
+)
 from dejavu_compile.kernels import ACTIVATIONS, int8_linear
 from dejavu_compile.kernels.cpu import native
 
@@ -28,14 +37,33 @@ def sparse_mlp_op(p, activation, gated, stacked=False):
                                            p["b_down"])
 
 
-@settings(max_examples=100, deadline=None)
+DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
+# Half a unit in the last place of each dtype, relative: the one rounding of a half-precision result.
+HALF_ULP = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+def assert_rounded_close(out, ref, bound, dtype, what):
+    """The op sums in fp32 from the weights' exact values and rounds once to `dtype`: fp32's
+    tolerance on the magnitude bound, plus half a unit of `dtype` on the result."""
+    assert out.dtype == dtype, (what, out.dtype)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert torch.isfinite(out).all(), f"{what}: non-finite output (unwritten buffer?)"
+    fp32 = RTOL[torch.float32] * bound
+    tol = fp32 + HALF_ULP[dtype] * (ref.abs() + fp32)
+    err = (out.double() - ref).abs()
+    worst = (err / tol).max().item()
+    assert worst <= 1.0, f"{what} {dtype}: error {err.max().item():.3g} exceeds tolerance (ratio {worst:.3g})"
+
+
+@settings(max_examples=150, deadline=None)
 @given(case=mlp_cases(), activation=st.sampled_from(ACTIVATIONS), gated=st.booleans(), stacked=st.booleans(),
-       d_out=st.one_of(st.none(), st.integers(1, 90)), threads=st.sampled_from([1, 2, 3]))
-def test_cpu_sparse_mlp_matches_masked_dense(case, activation, gated, stacked, d_out, threads):
+       d_out=st.one_of(st.none(), st.integers(1, 90)), threads=st.sampled_from([1, 2, 3]), dtype=DTYPES)
+def test_cpu_sparse_mlp_matches_masked_dense(case, activation, gated, stacked, d_out, threads, dtype):
     """One neuron to all, shared and per-row idx, biases, a down width unlike d, stacked rows, 1-3
-    threads. The op allocates its output inside C++, so a NaN-poisoned buffer cannot be handed in:
-    the reference comparison catches any element left unwritten."""
-    p = mlp_problem(dtype=torch.float32, gated=gated, d_out=d_out, **case)
+    threads, fp32, bf16 and fp16 weights (against float64 of the same values). The op allocates its
+    output inside C++, so a NaN-poisoned buffer cannot be handed in: the reference comparison
+    catches any element left unwritten."""
+    p = mlp_problem(dtype=dtype, gated=gated, d_out=d_out, **case)
     ref, bound = mlp_reference(p, activation, gated=gated)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -43,7 +71,7 @@ def test_cpu_sparse_mlp_matches_masked_dense(case, activation, gated, stacked, d
         out = sparse_mlp_op(p, activation, gated, stacked)
     finally:
         torch.set_num_threads(before)
-    assert_close(out, ref, bound, torch.float32, "cpu_sparse_mlp")
+    assert_rounded_close(out, ref, bound, dtype, "cpu_sparse_mlp")
 
 
 def int8_problem(seed, batch, d, n):
@@ -99,31 +127,35 @@ def int8_values64(x, w_int8, scale, activation):
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**16), batch=st.integers(1, 8), d=st.integers(1, 200), n=st.integers(1, 150),
        d_out=st.integers(1, 90), share=st.floats(0.0, 1.0), activation=st.sampled_from(ACTIVATIONS),
-       bias=st.booleans(), threads=st.sampled_from([1, 2, 3]), bf16_rows=st.booleans())
+       bias=st.booleans(), threads=st.sampled_from([1, 2, 3]), x_dtype=DTYPES, rows_dtype=DTYPES)
 def test_cpu_glu_int8_mlp_sums_the_predictors_values(seed, batch, d, n, d_out, share, activation, bias, threads,
-                                                     bf16_rows):
+                                                     x_dtype, rows_dtype):
     """The block from the int8 predictor's own values: it keeps what cpu_glu_int8_topk keeps (the
     same scores), and its output is sum over kept j of act(g~_j) * u~_j * w_down_t[j] (+ b_down),
     against float64 on the op's ids; k from 1 to F, down widths unlike d (every vector tail), 1-3
-    threads, fp32 down rows or a bf16 copy (against the float64 of its bf16 values)."""
-    _check_int8_mlp(seed, batch, d, n, d_out, share, activation, bias, threads, bf16_rows)
+    threads, x (and the bias, and the result) in fp32, bf16 or fp16, down rows in fp32, bf16 (an
+    fp32 model's bf16 copy, or a bf16 model's own) or fp16, against the float64 of their values."""
+    _check_int8_mlp(seed, batch, d, n, d_out, share, activation, bias, threads, x_dtype, rows_dtype)
 
 
-def _check_int8_mlp(seed, batch, d, n, d_out, share, activation, bias, threads, bf16_rows=False):
+def _check_int8_mlp(seed, batch, d, n, d_out, share, activation, bias, threads, x_dtype=torch.float32,
+                    rows_dtype=torch.float32):
     x, w_int8, scale = int8_problem(seed, batch, d, n)
+    x = x.to(x_dtype)
     g = torch.Generator().manual_seed(seed + 1)
-    w_down_t = torch.randn(n, d_out, generator=g)
-    if bf16_rows:
-        w_down_t = w_down_t.bfloat16()
-    b_down = torch.randn(d_out, generator=g) if bias else None
+    w_down_t = torch.randn(n, d_out, generator=g).to(rows_dtype)
+    b_down = torch.randn(d_out, generator=g).to(x_dtype) if bias else None
     k = max(1, round(share * n))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         out, idx = torch.ops.dejavu.cpu_glu_int8_mlp(x, w_int8, scale, w_down_t, k, activation, b_down)
         assert torch.equal(idx, torch.ops.dejavu.cpu_glu_int8_topk(x, w_int8, scale, k, activation))
+        # the scores of a half-precision x are those of its fp32 values (the predictor's input cast)
+        assert torch.equal(idx, torch.ops.dejavu.cpu_glu_int8_topk(x.float(), w_int8, scale, k, activation))
     finally:
         torch.set_num_threads(before)
+    assert out.dtype == x_dtype
     values = int8_values64(x, w_int8, scale, activation)
     kept_ids = torch.zeros_like(values, dtype=torch.bool).scatter_(1, idx, True)
     kept = values * kept_ids
@@ -142,6 +174,7 @@ def _check_int8_mlp(seed, batch, d, n, d_out, share, activation, bias, threads, 
     slope = act_slope(h[:, :n].abs() + err_g, activation)
     dh = slope * err_g * (h[:, n:].abs() + err_u) + (g_act + slope * err_g) * err_u
     tol = 1e-4 * (kept.abs() @ w.abs() + (0 if b_down is None else b_down.double().abs())) + 2 * (dh * kept_ids) @ w.abs()
+    tol = tol + HALF_ULP[x_dtype] * (ref.abs() + tol)  # a half-precision result: rounded once at the end
     assert torch.isfinite(out).all()
     err = (out.double() - ref).abs()
     assert bool((err <= tol + 1e-30).all()), (err / (tol + 1e-30)).max()
@@ -204,8 +237,12 @@ def test_opcheck_and_inside_compile():
 def test_bad_input_is_a_clear_error():
     p = mlp_problem(seed=4, batch=1, d=16, n=20, k=5, dtype=torch.float32, gated=True, per_row=False, biases=False)
     op = torch.ops.dejavu.cpu_sparse_mlp
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        op(p["x"].double(), p["w_gate"], p["w_up"], p["w_down_t"], p["idx"], "silu")
+    with pytest.raises(RuntimeError, match="w_a must be Half, got Float"):  # one dtype per call
         op(p["x"].half(), p["w_gate"], p["w_up"], p["w_down_t"], p["idx"], "silu")
+    with pytest.raises(RuntimeError, match="b_down must be Float, got BFloat16"):
+        op(p["x"], p["w_gate"], p["w_up"], p["w_down_t"], p["idx"], "silu", None, None, p["w_down_t"][0].bfloat16())
     with pytest.raises(RuntimeError, match="out of range"):
         op(p["x"], p["w_gate"], p["w_up"], p["w_down_t"], torch.tensor([0, 20]), "silu")
     with pytest.raises(RuntimeError, match="int64"):
@@ -227,8 +264,8 @@ def test_bad_input_is_a_clear_error():
     block = torch.ops.dejavu.cpu_glu_int8_mlp
     with pytest.raises(RuntimeError, match="w_down_t must be"):
         block(x, w_int8, scale, torch.zeros(19, 8), 3, "silu")
-    with pytest.raises(RuntimeError, match="w_down_t must be float32 or bfloat16"):
-        block(x, w_int8, scale, torch.zeros(20, 8, dtype=torch.float16), 3, "silu")
+    with pytest.raises(RuntimeError, match="w_down_t must be float32, bfloat16 or float16"):
+        block(x, w_int8, scale, torch.zeros(20, 8, dtype=torch.float64), 3, "silu")
     with pytest.raises(RuntimeError, match="b_down must be"):
         block(x, w_int8, scale, torch.zeros(20, 8), 3, "silu", torch.zeros(7))
     with pytest.raises(RuntimeError, match="k must be"):

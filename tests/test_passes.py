@@ -119,12 +119,12 @@ def test_a_failing_pass_is_named_and_the_graph_stays_dense(monkeypatch, caplog):
 
 
 def _old_cpu_lowering(opts, weight, rows_contiguous=True):
-    """The choice as it was written before the registry (the behaviour the registry keeps)."""
+    """The cpu_lowering option's rule written out directly (what the registry's choice must equal)."""
     if weight is not None and weight.device.type != "cpu":
         return None
     choice = opts.get("cpu_lowering", "auto")
-    fp32 = weight is None or weight.dtype == torch.float32
-    if choice in ("auto", "native") and fp32 and rows_contiguous and lowering.cpu_ops_available({}, "cpu"):
+    kernel_dtype = weight is None or weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if choice in ("auto", "native") and kernel_dtype and rows_contiguous and lowering.cpu_ops_available({}, "cpu"):
         return "native"
     if choice == "auto":
         return "decomposed" if opts["inner"] == "inductor" else "op"
@@ -135,7 +135,7 @@ def test_registry_keeps_the_cpu_lowering_choices():
     assert {"native", "decomposed", "op", "triton"} <= set(lowering.registered_lowerings())
     for choice in ("auto", "native", "op", "decomposed"):
         for inner in ("inductor", "eager"):
-            for dtype in (torch.float32, torch.bfloat16, None):
+            for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64, None):
                 for rows_contiguous in (True, False):
                     opts = {"cpu_lowering": choice, "inner": inner}
                     weight = None if dtype is None else torch.zeros(4, 4, dtype=dtype)

@@ -6,8 +6,10 @@ the work. Torch's GEMM path reads these small weights well below the memory band
 the sparsity passes (attention projections, dense MLPs, the output head; with no plan, all of
 them) into that op. Exact: every product is summed, only the summation order differs.
 
-It applies to fp32 CPU projections with at most ``MAX_ROWS`` rows of input and a weight with one
-unit stride (as stored, or transposed by ``prepare_model``); others stay as traced. Training
+It applies to CPU projections in fp32, bf16 or fp16 (input, weight and bias in one dtype, as
+``F.linear`` asks; the kernels read the weight as stored and sum in fp32) with at most ``MAX_ROWS``
+rows of input and a weight with one unit stride (as stored, or transposed by ``prepare_model``);
+others stay as traced. Training
 graphs and graphs that need gradients are left alone (the op has no backward). The option
 ``dense_lowering="aten"`` turns the pass off.
 """
@@ -21,6 +23,8 @@ import torch.fx as fx
 from dejavu_compile.compiler.passes.graph_utils import example_value, find_linears
 from dejavu_compile.compiler.passes.guards import needs_gradients, training_reason
 
+# What the C++ ops' kernels read (cpu_ops.cpp's kernel_dtype).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows of input up to which the op runs its GEMV kernels (kMaxGemvRows in cpu_ops.cpp); a prefill
 # graph's projections keep Inductor's GEMM.
 MAX_ROWS = 16
@@ -41,8 +45,10 @@ def lowerable(x, weight, bias, layout: str) -> str | None:
         return "not a plain 2-D weight"
     if x.device.type != "cpu" or weight.device.type != "cpu":
         return "not on the CPU"
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
-        return "not float32"
+    if x.dtype not in KERNEL_DTYPES:
+        return f"{x.dtype} (the kernels take {', '.join(str(t) for t in KERNEL_DTYPES)})"
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        return "input, weight and bias in different dtypes"
     rows = _rows(x)
     if rows is None or not 1 <= rows <= MAX_ROWS:
         return f"more than {MAX_ROWS} rows (or a dynamic shape): a GEMM"
@@ -55,7 +61,7 @@ def lowerable(x, weight, bias, layout: str) -> str | None:
 
 
 class DenseLinearPass:
-    """Rewrites the graph's remaining fp32 decode-shaped projections into ``dejavu::cpu_linear``.
+    """Rewrites the graph's remaining decode-shaped CPU projections into ``dejavu::cpu_linear``.
     Counts the projections rewritten."""
 
     name = "dense_linear"

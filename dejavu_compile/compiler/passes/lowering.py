@@ -9,8 +9,9 @@ is one folder of kernels (registering ``torch.ops.dejavu.*``) plus one :func:`re
 Built-in entries:
 
 - ``native``: the C++ ops of the kernels package (``torch.ops.dejavu.cpu_sparse_mlp``,
-  ``cpu_glu_int8_topk``, ``cpu_glu_int8_mlp``), CPU fp32, weight rows contiguous; called straight
-  from Inductor's wrapper code, no Python per call.
+  ``cpu_glu_int8_topk``, ``cpu_glu_int8_mlp``), CPU fp32, bf16 or fp16 (weights read as stored,
+  sums in fp32), weight rows contiguous; called straight from Inductor's wrapper code, no Python
+  per call.
 - ``decomposed``: aten gathers and ``embedding_bag`` that Inductor fuses into the decode step's
   kernels (CPU).
 - ``op``: the public custom ops ``torch.ops.dejavu.sparse_gated_mlp`` / ``sparse_mlp`` (any device:
@@ -19,20 +20,11 @@ Built-in entries:
   the Triton interpreter (``TRITON_INTERPRET=1``) and ``inner="eager"`` only (a check of the
   kernels inside a whole model, not a fast path).
 
-By model dtype, with ``cpu_lowering="auto"`` (the C++ ops are fp32 only; nothing is cast to
-fp32 but the int8 predictor's input):
-
-============  ===================================  ============================================
-model dtype   sparse MLP (CPU)                     int8 predictor (scores in fp32 on any dtype)
-============  ===================================  ============================================
-fp32          ``native`` (C++ ops), else           fused with top-k (``cpu_glu_int8_topk``), and
-              ``decomposed`` (Inductor) / ``op``   with the block for values "predictor"
-              (eager)                              (``cpu_glu_int8_mlp``)
-bf16, fp16    ``decomposed`` (Inductor) / ``op``   input cast to fp32, fused with top-k
-              (eager): aten in the model's dtype   (``cpu_glu_int8_topk``); values "predictor":
-                                                   ``int8_linear`` (C kernel), aten top-k, the
-                                                   kept values cast to the model's dtype
-============  ===================================  ============================================
+With ``cpu_lowering="auto"`` a CPU model in fp32, bf16 or fp16 takes ``native`` where the C++ ops
+build, else ``decomposed`` under Inductor and ``op`` under eager (aten in the model's dtype). The
+int8 predictor scores in fp32 in a model of any dtype (its input cast to fp32, as calibration
+scores it), fused with top-k (``cpu_glu_int8_topk``), and with the block for values "predictor"
+(``cpu_glu_int8_mlp``, reading the model's down rows or the plan's bf16 copy of an fp32 model's).
 
 On CUDA every dtype takes ``triton`` (the custom ops' fp16/bf16/fp32 Triton kernels). Dense
 layers, attention and everything outside the sparse blocks stay in the model's dtype.
@@ -221,7 +213,7 @@ def emit_native_int8_topk(gm, graph, entry, x2d, prefix, device) -> fx.Node:
 
 
 def emit_native_int8_values_mlp(gm, graph, block, entry, x2d, w_down_t, b_down, prefix, device):
-    """w_down_t: the model's fp32 down rows or the plan's bf16 copy of them."""
+    """w_down_t: the model's down rows (in its dtype) or the plan's bf16 copy of fp32 ones."""
     q, scale = int8_constants(gm, graph, entry, prefix, device)
     both = graph.call_function(torch.ops.dejavu.cpu_glu_int8_mlp.default,
                                (x2d, q, scale, w_down_t, entry.k, activations.canonical(entry.activation), b_down))
@@ -265,7 +257,8 @@ def emit_triton(graph, m: SparseMLPNodes) -> fx.Node:
                                {"check": False})
 
 
-register_lowering(KernelLowering("native", ("cpu",), (torch.float32,), cpu_ops_available, emit_native,
+register_lowering(KernelLowering("native", ("cpu",), (torch.float32, torch.bfloat16, torch.float16), cpu_ops_available,
+                                 emit_native,
                                  needs_contiguous_rows=True, emit_int8_topk=emit_native_int8_topk,
                                  emit_int8_values_mlp=emit_native_int8_values_mlp))
 register_lowering(KernelLowering("decomposed", ("cpu",), None, lambda opts, device: True, emit_decomposed))

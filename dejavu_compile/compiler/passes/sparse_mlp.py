@@ -103,7 +103,7 @@ def rewrite_mlp_from_predictor(gm, graph, block: MLPBlock, entry, values, report
     """The block from its int8 predictor's values (entry.values == "predictor"): act(g~) * u~ for
     every neuron, the top k by magnitude, and those k values times their rows of the transposed
     down weight. The gate and up weights are not read. Where the kernel lowering has one op for
-    it (``dejavu::cpu_glu_int8_mlp`` on CPU fp32) all of it is one call, reading the plan's bf16 copy
+    it (``dejavu::cpu_glu_int8_mlp`` on CPU) all of it is one call, reading the plan's bf16 copy
     of the down rows where ``plan.down_rows`` asks for one; elsewhere aten ops (int8_linear, topk,
     gather, embedding_bag over the model's down rows; the predictor in fp32, its kept values cast to
     the model's dtype)."""
@@ -115,7 +115,7 @@ def rewrite_mlp_from_predictor(gm, graph, block: MLPBlock, entry, values, report
         x2d = graph.call_method("reshape", (x, -1, shape_of(x)[-1]))
         b_down = block.down.bias_node
         lowering = choose_lowering(opts, down_value)
-        fused = lowering.emit_int8_values_mlp is not None  # one op: the C++ op on CPU fp32
+        fused = lowering.emit_int8_values_mlp is not None  # one op: the C++ op on CPU
         from_copy = fused and reads_down_copy(opts["plan"], down_value)
         if from_copy:  # the plan's bf16 copy of the down rows
             w_down_t = add_constant(gm, graph, f"{prefix}_down_{opts['plan'].down_rows}",

@@ -1,18 +1,24 @@
 // The backend's CPU decode ops, registered with the dispatcher from C++ (namespace dejavu):
 //
 //   cpu_sparse_mlp(x, w_a, w_b?, w_down_t, idx, activation, b_a?, b_b?, b_down?) -> (B, d_out)
-//       the C kernel of cpu_sparse_mlp.c (w_b None: plain MLP act(w_a x)), fp32;
+//       the C kernel of cpu_sparse_mlp.c (w_b None: plain MLP act(w_a x));
 //   cpu_glu_int8_topk(x, w_int8, scale, k, activation) -> (B, k) int64, ascending
 //       the int8 predictor's scores |act(g~) * u~| and their top k, in one call;
 //   cpu_glu_int8_mlp(x, w_int8, scale, w_down_t, k, activation, b_down?) -> ((B, d_out), (B, k) ids)
 //       the whole block for plan entries with values "predictor": the int8 predictor's act(g~) * u~
 //       for every neuron, the top k by magnitude, and the down projection of those k values (only
-//       the selected rows of w_down_t are read, fp32 or a bf16 copy; the fp32 gate and up weights
-//       not at all);
+//       the selected rows of w_down_t are read, in the model's dtype or a plan's bf16 copy; the
+//       gate and up weights not at all);
 //   cpu_linear(x, w, b?) -> (..., n)
 //       a dense projection at decode shapes: the GEMV kernels of cpu_sparse_mlp.c read w once, as
 //       stored (nn.Linear's rows, or the transposed storage prepare_model gives down and output
 //       projections); more than kMaxGemvRows rows of x, or other dtypes, go to at::linear.
+//   cpu_screened_linear(x, w, w_int8, scale, k, b?) -> (..., n)
+//       the output head screened by an int8 copy of its rows: the top k of each row recomputed from w.
+//
+// Dtypes: x and the weights in fp32, bf16 or fp16, one dtype per call (as F.linear asks). Weights are
+// read as stored and widened in the kernels' loads; the few activations and the biases are widened
+// to fp32 first, every sum is fp32, and a half-precision result is rounded once at the end.
 //
 // Why C++: inside a compiled decode step each op call is made from Inductor's Python wrapper, and
 // what it costs there is Python, not arithmetic: with the caches as a decode step leaves them, a
@@ -51,24 +57,50 @@ int activation_code(c10::string_view name) {
 #undef DEJAVU_NAME
 }
 
-void check_f32_cpu(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+// The C kernels' code for a weight dtype (DEJAVU_W_* in cpu_sparse_mlp.c).
+int weight_type(at::ScalarType dtype) {
+  if (dtype == at::kBFloat16) return DEJAVU_W_BF16;
+  if (dtype == at::kHalf) return DEJAVU_W_F16;
+  return DEJAVU_W_F32;
 }
 
-void check_rows(const at::Tensor& w, const char* name, int64_t n, int64_t width) {
-  check_f32_cpu(w, name);
+bool kernel_dtype(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
+}
+
+void check_cpu(const at::Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+}
+
+// An activation argument: float32, bfloat16 or float16 on the CPU, widened to a contiguous fp32
+// tensor (the kernels' input; x is a few rows, so the copy is cheap).
+at::Tensor fp32_input(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu(), name, " must be on the CPU, got ", x.device());
+  TORCH_CHECK(kernel_dtype(x.scalar_type()), name, " must be float32, bfloat16 or float16, got ", x.scalar_type());
+  return x.to(at::kFloat).contiguous();
+}
+
+// The kernels write fp32; a half-precision call returns its dtype (rounded once).
+at::Tensor in_dtype(const at::Tensor& out, at::ScalarType dtype) {
+  return dtype == at::kFloat ? out : out.to(dtype);
+}
+
+void check_rows(const at::Tensor& w, const char* name, int64_t n, int64_t width, at::ScalarType dtype) {
+  check_cpu(w, name, dtype);
   TORCH_CHECK(w.dim() == 2 && w.size(0) == n && w.size(1) == width, name, " must be (", n, ", ", width,
               "), got ", w.sizes());
   TORCH_CHECK(w.stride(1) == 1, name, "'s rows must be contiguous (stride 1 along dim 1)");
 }
 
-const float* bias_ptr(const std::optional<at::Tensor>& b, const char* name, int64_t n) {
+// A bias in the call's dtype, as a contiguous fp32 tensor (undefined when absent); `keep` holds it.
+const float* bias_ptr(const std::optional<at::Tensor>& b, const char* name, int64_t n, at::ScalarType dtype,
+                      at::Tensor& keep) {
   if (!b.has_value()) return nullptr;
-  check_f32_cpu(*b, name);
-  TORCH_CHECK(b->dim() == 1 && b->size(0) == n && b->is_contiguous(), name, " must be contiguous (", n,
-              "), got ", b->sizes());
-  return b->data_ptr<float>();
+  check_cpu(*b, name, dtype);
+  TORCH_CHECK(b->dim() == 1 && b->size(0) == n, name, " must be (", n, "), got ", b->sizes());
+  keep = b->to(at::kFloat).contiguous();
+  return keep.data_ptr<float>();
 }
 
 at::Tensor cpu_sparse_mlp(const at::Tensor& x_in, const at::Tensor& w_a, const std::optional<at::Tensor>& w_b,
@@ -76,13 +108,13 @@ at::Tensor cpu_sparse_mlp(const at::Tensor& x_in, const at::Tensor& w_a, const s
                           const std::optional<at::Tensor>& b_a, const std::optional<at::Tensor>& b_b,
                           const std::optional<at::Tensor>& b_down) {
   const int act = activation_code(activation);
-  check_f32_cpu(x_in, "x");
   TORCH_CHECK(x_in.dim() == 2, "x must be (batch, d), got ", x_in.sizes());
-  const at::Tensor x = x_in.contiguous();
+  const at::ScalarType dtype = x_in.scalar_type();
+  const at::Tensor x = fp32_input(x_in, "x");
   const int64_t nb = x.size(0), d = x.size(1), n = w_a.size(0), d_out = w_down_t.size(1);
-  check_rows(w_a, "w_a", n, d);
-  if (w_b.has_value()) check_rows(*w_b, "w_b", n, d);
-  check_rows(w_down_t, "w_down_t", n, d_out);
+  check_rows(w_a, "w_a", n, d, dtype);
+  if (w_b.has_value()) check_rows(*w_b, "w_b", n, d, dtype);
+  check_rows(w_down_t, "w_down_t", n, d_out, dtype);
   TORCH_CHECK(idx.scalar_type() == at::kLong && idx.device().is_cpu(), "idx must be int64 on the CPU, got ",
               idx.scalar_type(), " on ", idx.device());
   TORCH_CHECK((idx.dim() == 1 || (idx.dim() == 2 && idx.size(0) == nb)) && idx.size(-1) >= 1 &&
@@ -95,17 +127,18 @@ at::Tensor cpu_sparse_mlp(const at::Tensor& x_in, const at::Tensor& w_a, const s
       const int64_t v = ids[r * row_stride + j];
       TORCH_CHECK(v >= 0 && v < n, "idx holds ", v, ", out of range for ", n, " neurons");
     }
-  const float* pa = bias_ptr(b_a, "b_a", n);
-  const float* pb = bias_ptr(b_b, "b_b", n);
-  const float* pd = bias_ptr(b_down, "b_down", d_out);
+  at::Tensor keep_a, keep_b, keep_d;
+  const float* pa = bias_ptr(b_a, "b_a", n, dtype, keep_a);
+  const float* pb = bias_ptr(b_b, "b_b", n, dtype, keep_b);
+  const float* pd = bias_ptr(b_down, "b_down", d_out, dtype, keep_d);
   const int threads = at::get_num_threads();
   at::Tensor out = at::empty({nb, d_out}, x.options());
   at::Tensor scratch = at::empty({threads * nb * d_out}, x.options());
-  dejavu_sparse_mlp_f32(x.data_ptr<float>(), nb, d, d_out, w_a.data_ptr<float>(), w_a.stride(0),
-                        w_b.has_value() ? w_b->data_ptr<float>() : nullptr, w_b.has_value() ? w_b->stride(0) : 0,
-                        w_down_t.data_ptr<float>(), w_down_t.stride(0), pa, pb, pd, ids, k, row_stride, act,
-                        out.data_ptr<float>(), scratch.data_ptr<float>(), threads, -1, -1);  // the default prefetch
-  return out;
+  dejavu_sparse_mlp(x.data_ptr<float>(), nb, d, d_out, weight_type(dtype), w_a.data_ptr(), w_a.stride(0),
+                    w_b.has_value() ? w_b->data_ptr() : nullptr, w_b.has_value() ? w_b->stride(0) : 0,
+                    w_down_t.data_ptr(), w_down_t.stride(0), pa, pb, pd, ids, k, row_stride, act,
+                    out.data_ptr<float>(), scratch.data_ptr<float>(), threads, -1, -1);  // the default prefetch
+  return in_dtype(out, dtype);
 }
 
 // Ids of the k largest of s[0..n) (of |s| with magnitude), ascending (NaN counts as the largest,
@@ -131,16 +164,15 @@ void topk_ascending(const float* s, int64_t n, int64_t k, int64_t* out, std::vec
 at::Tensor glu_int8_scores(const at::Tensor& x_in, const at::Tensor& w_int8, const at::Tensor& scale, int64_t k,
                            c10::string_view activation, bool signed_values) {
   const int act = activation_code(activation);
-  check_f32_cpu(x_in, "x");
   TORCH_CHECK(x_in.dim() == 2, "x must be (batch, d), got ", x_in.sizes());
-  const at::Tensor x = x_in.contiguous();
+  const at::Tensor x = fp32_input(x_in, "x");
   const int64_t nb = x.size(0), d = x.size(1);
   TORCH_CHECK(w_int8.device().is_cpu() && w_int8.scalar_type() == at::kChar && w_int8.dim() == 2 &&
                   w_int8.size(1) == d && w_int8.size(0) % 2 == 0 && w_int8.is_contiguous(),
               "w_int8 must be contiguous int8 (2F, ", d, ") on the CPU, got ", w_int8.scalar_type(), " ",
               w_int8.sizes());
   const int64_t n = w_int8.size(0) / 2;
-  check_f32_cpu(scale, "scale");
+  check_cpu(scale, "scale", at::kFloat);
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == 2 * n && scale.is_contiguous(), "scale must be contiguous (",
               2 * n, "), got ", scale.sizes());
   TORCH_CHECK(k >= 1 && k <= n, "k must be in [1, ", n, "], got ", k);
@@ -173,21 +205,26 @@ std::tuple<at::Tensor, at::Tensor> cpu_glu_int8_mlp(const at::Tensor& x, const a
                                                     c10::string_view activation,
                                                     const std::optional<at::Tensor>& b_down) {
   const int64_t n = w_int8.size(0) / 2, d_out = w_down_t.size(1);  // w_int8 itself: glu_int8_scores checks it
-  const bool bf16 = w_down_t.scalar_type() == at::kBFloat16;  // a plan's bf16 copy of the down rows
-  TORCH_CHECK(w_down_t.device().is_cpu() && (bf16 || w_down_t.scalar_type() == at::kFloat) && w_down_t.dim() == 2 &&
-                  w_down_t.size(0) == n && w_down_t.stride(1) == 1,
-              "w_down_t must be float32 or bfloat16 (", n, ", d_out) on the CPU with contiguous rows, got ",
+  // w_down_t: the model's down rows (in x's dtype) or a plan's bf16 copy of an fp32 model's
+  const at::ScalarType table = w_down_t.scalar_type();
+  TORCH_CHECK(w_down_t.device().is_cpu() && kernel_dtype(table) && w_down_t.dim() == 2 && w_down_t.size(0) == n &&
+                  w_down_t.stride(1) == 1,
+              "w_down_t must be float32, bfloat16 or float16 (", n, ", d_out) on the CPU with contiguous rows, got ",
               w_down_t.scalar_type(), " ", w_down_t.sizes(), " strides ", w_down_t.strides());
-  const float* pd = bias_ptr(b_down, "b_down", d_out);
+  TORCH_CHECK(!b_down.has_value() || kernel_dtype(b_down->scalar_type()),
+              "b_down must be float32, bfloat16 or float16, got ", b_down->scalar_type());
+  at::Tensor keep_d;
+  const float* pd = bias_ptr(b_down, "b_down", d_out, b_down.has_value() ? b_down->scalar_type() : at::kFloat, keep_d);
   const at::Tensor values = glu_int8_scores(x, w_int8, scale, k, activation, true);
   const int64_t nb = values.size(0);
   at::Tensor idx = topk_rows(values, k, true);
   const int threads = at::get_num_threads();
   at::Tensor out = at::empty({nb, d_out}, values.options());
   at::Tensor scratch = at::empty({threads * d_out}, values.options());
-  dejavu_weighted_rows(values.data_ptr<float>(), n, idx.data_ptr<int64_t>(), nb, k, w_down_t.data_ptr(), bf16,
-                       w_down_t.stride(0), d_out, pd, out.data_ptr<float>(), scratch.data_ptr<float>(), threads);
-  return {out, idx};
+  dejavu_weighted_rows(values.data_ptr<float>(), n, idx.data_ptr<int64_t>(), nb, k, w_down_t.data_ptr(),
+                       weight_type(table), w_down_t.stride(0), d_out, pd, out.data_ptr<float>(),
+                       scratch.data_ptr<float>(), threads);
+  return {in_dtype(out, x.scalar_type()), idx};
 }
 
 // Up to this many rows of x the GEMV kernels read the weight once for all rows; beyond it a GEMM
@@ -199,52 +236,54 @@ at::Tensor cpu_linear(const at::Tensor& x_in, const at::Tensor& w, const std::op
               ") and w (n, d) expected, got ", x_in.sizes(), " and ", w.sizes());
   const int64_t n = w.size(0), d = w.size(1);
   const int64_t rows = x_in.numel() / std::max<int64_t>(d, 1);
-  const bool f32 = x_in.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
-                   (!b.has_value() || b->scalar_type() == at::kFloat);
-  const bool cpu = x_in.device().is_cpu() && w.device().is_cpu();
+  const at::ScalarType dtype = x_in.scalar_type();
+  const bool one_dtype = kernel_dtype(dtype) && w.scalar_type() == dtype && (!b.has_value() || b->scalar_type() == dtype);
+  const bool cpu = x_in.device().is_cpu() && w.device().is_cpu() && (!b.has_value() || b->device().is_cpu());
   const bool rows_layout = w.stride(1) == 1, transposed = w.stride(0) == 1 && !rows_layout;
-  if (!f32 || !cpu || rows > kMaxGemvRows || rows == 0 || n == 0 || !(rows_layout || transposed))
+  if (!one_dtype || !cpu || rows > kMaxGemvRows || rows == 0 || n == 0 || !(rows_layout || transposed))
     return at::linear(x_in, w, b);
-  const at::Tensor x = x_in.contiguous();
-  const float* pb = bias_ptr(b, "b", n);
+  const at::Tensor x = fp32_input(x_in, "x");
+  at::Tensor keep_b;
+  const float* pb = bias_ptr(b, "b", n, dtype, keep_b);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   at::Tensor out = at::empty(shape, x.options());
   const int threads = at::get_num_threads();
   if (rows_layout) {
-    dejavu_linear_f32(x.data_ptr<float>(), rows, d, w.data_ptr<float>(), w.stride(0), n, pb, out.data_ptr<float>(),
-                      threads, dejavu_tuning.linear_prefetch_rows);
+    dejavu_linear(x.data_ptr<float>(), rows, d, weight_type(dtype), w.data_ptr(), w.stride(0), n, pb,
+                  out.data_ptr<float>(), threads, dejavu_tuning.linear_prefetch_rows);
   } else {
     at::Tensor scratch = at::empty({threads * rows * n}, x.options());
-    dejavu_linear_t_f32(x.data_ptr<float>(), rows, d, w.data_ptr<float>(), w.stride(1), n, pb, out.data_ptr<float>(),
-                        scratch.data_ptr<float>(), threads);
+    dejavu_linear_t(x.data_ptr<float>(), rows, d, weight_type(dtype), w.data_ptr(), w.stride(1), n, pb,
+                    out.data_ptr<float>(), scratch.data_ptr<float>(), threads);
   }
-  return out;
+  return in_dtype(out, dtype);
 }
 
 at::Tensor cpu_screened_linear(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& w_int8,
                                const at::Tensor& scale, int64_t k, const std::optional<at::Tensor>& b) {
-  check_f32_cpu(x_in, "x");
   TORCH_CHECK(w.dim() == 2 && x_in.dim() >= 1 && x_in.size(-1) == w.size(1), "cpu_screened_linear: x (..., ",
               w.size(-1), ") and w (n, d) expected, got ", x_in.sizes(), " and ", w.sizes());
+  const at::ScalarType dtype = x_in.scalar_type();
+  const at::Tensor x = fp32_input(x_in, "x");
   const int64_t n = w.size(0), d = w.size(1);
-  check_rows(w, "w", n, d);
+  check_rows(w, "w", n, d, dtype);
   TORCH_CHECK(w_int8.device().is_cpu() && w_int8.scalar_type() == at::kChar && w_int8.dim() == 2 &&
                   w_int8.size(0) == n && w_int8.size(1) == d && w_int8.is_contiguous(),
               "w_int8 must be contiguous int8 (", n, ", ", d, ") on the CPU, got ", w_int8.scalar_type(), " ",
               w_int8.sizes());
-  check_f32_cpu(scale, "scale");
+  check_cpu(scale, "scale", at::kFloat);
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == n && scale.is_contiguous(), "scale must be contiguous (", n,
               "), got ", scale.sizes());
   TORCH_CHECK(k >= 1 && k <= n, "k must be in [1, ", n, "], got ", k);
   TORCH_CHECK(d >= 1, "cpu_screened_linear: w must have at least one column");
-  const float* pb = bias_ptr(b, "b", n);
-  const at::Tensor x = x_in.contiguous();
+  at::Tensor keep_b;
+  const float* pb = bias_ptr(b, "b", n, dtype, keep_b);
   const int64_t rows = x.numel() / std::max<int64_t>(d, 1);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   at::Tensor out = at::empty(shape, x.options());
-  if (rows == 0) return out;
+  if (rows == 0) return in_dtype(out, dtype);
   at::Tensor x_int16 = at::empty({rows, d}, x.options().dtype(at::kShort));
   at::Tensor x_scale = at::empty({rows}, x.options());
   float* o = out.data_ptr<float>();
@@ -254,14 +293,15 @@ at::Tensor cpu_screened_linear(const at::Tensor& x_in, const at::Tensor& w, cons
   if (pb)
     for (int64_t r = 0; r < rows; r++)
       for (int64_t c = 0; c < n; c++) o[r * n + c] += pb[c];
+  const int type = weight_type(dtype);
   std::vector<int64_t> ids(k);
   std::vector<float> tmp;
   for (int64_t r = 0; r < rows; r++) {
     topk_ascending(o + r * n, n, k, ids.data(), tmp);
-    for (int64_t c : ids)  // cpu_linear's expression for these outputs (dejavu_linear_f32)
-      o[r * n + c] = dot_f32(w.data_ptr<float>() + c * w.stride(0), px + r * d, d) + (pb ? pb[c] : 0.0f);
+    for (int64_t c : ids)  // cpu_linear's expression for these outputs (dejavu_linear)
+      o[r * n + c] = dot_typed(row_at(w.data_ptr(), type, c, w.stride(0)), type, px + r * d, d) + (pb ? pb[c] : 0.0f);
   }
-  return out;
+  return in_dtype(out, dtype);
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-/* Neuron-sparse MLP for CPU, fp32: one pass over the selected neurons.
+/* Neuron-sparse MLP and dense GEMV for CPU: one pass over the selected neurons.
 
    For each selected neuron r the loop reads its gate row, its up row and its down row (a row of
    the transposed down weight), all contiguous, computes act(gate.x) * (up.x) and adds that times
@@ -6,6 +6,11 @@
    issued back to back, so the core keeps several row misses in flight, and a software prefetch
    touches the start of the rows a few neurons ahead (the hardware prefetcher takes over inside a
    row). Threads split the neurons; their accumulators are summed at the end.
+
+   Weights are read as stored, fp32, bf16 or fp16 (DEJAVU_W_*): a half-precision row is widened to
+   fp32 as it is loaded (bf16 is the upper half of an fp32, so widening is a shift; fp16 takes F16C's
+   conversion), and every product is summed in fp32. Activations arrive in fp32 (the C++ ops widen
+   a half-precision model's few activations first and round the result once).
 
    Built once per machine by native.py (cc -O3 -march=native -fopenmp, plus the activation table's
    defines) and called through ctypes; cpu_ops.cpp includes this file for the C++ ops.
@@ -47,6 +52,153 @@ static inline float activate(float v, int code) {
 }
 #pragma GCC diagnostic pop
 
+#if defined(__AVX512F__)
+#define DEJAVU_VEC 16
+typedef __m512 vec_t;
+#define vzero() _mm512_setzero_ps()
+#define vload(p) _mm512_loadu_ps(p)
+#define vstore(p, v) _mm512_storeu_ps(p, v)
+#define vset1(s) _mm512_set1_ps(s)
+#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vadd(a, b) _mm512_add_ps(a, b)
+static inline float vsum(vec_t v) { return _mm512_reduce_add_ps(v); }
+#define vload_bf16(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define vload_f16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define DEJAVU_VEC 8
+typedef __m256 vec_t;
+#define vzero() _mm256_setzero_ps()
+#define vload(p) _mm256_loadu_ps(p)
+#define vstore(p, v) _mm256_storeu_ps(p, v)
+#define vset1(s) _mm256_set1_ps(s)
+#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vadd(a, b) _mm256_add_ps(a, b)
+#define vload_bf16(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define vload_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+static inline float vsum(vec_t v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* fp32 lanes of the build's vector loops: 16 (AVX-512), 8 (AVX2 with FMA and F16C), 1 (scalar). */
+int dejavu_vector_width(void) {
+#ifdef DEJAVU_VEC
+    return DEJAVU_VEC;
+#else
+    return 1;
+#endif
+}
+
+/* ---- Weight element types ---------------------------------------------------------------------
+
+   The C++ ops pass one of these codes with every weight pointer (cpu_ops.cpp's weight_type). */
+enum { DEJAVU_W_F32 = 0, DEJAVU_W_BF16 = 1, DEJAVU_W_F16 = 2 };
+
+static inline int64_t element_bytes(int type) { return type == DEJAVU_W_F32 ? 4 : 2; }
+
+static inline float f32_value(float v) { return v; }
+
+static inline float bf16_value(uint16_t v) {
+    const uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* IEEE half to float, exact (subnormals, infinities and NaN included); for the vector tails. */
+static inline float f16_value(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    uint32_t bits;
+    if (exponent == 0x1fu) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    } else {
+        const float magnitude = (float)mantissa * 5.9604644775390625e-8f; /* 2^-24 */
+        memcpy(&bits, &magnitude, sizeof bits);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* One row dotted with x, for each element type. Four accumulators keep enough multiply-adds in
+   flight. One row at a time keeps each thread's reads a single forward stream, which the hardware
+   prefetcher follows at full bandwidth; reading four rows side by side gives each thread four
+   streams, which it follows worse. */
+#ifdef DEJAVU_VEC
+#define DEJAVU_DOT(name, type, vload_w, value)                                                     \
+    static inline float name(const type *restrict w, const float *restrict x, int64_t n) {          \
+        int64_t i = 0;                                                                             \
+        vec_t a0 = vzero(), a1 = a0, a2 = a0, a3 = a0;                                             \
+        for (; i + 4 * DEJAVU_VEC <= n; i += 4 * DEJAVU_VEC) {                                     \
+            a0 = vfma(vload_w(w + i), vload(x + i), a0);                                           \
+            a1 = vfma(vload_w(w + i + DEJAVU_VEC), vload(x + i + DEJAVU_VEC), a1);                 \
+            a2 = vfma(vload_w(w + i + 2 * DEJAVU_VEC), vload(x + i + 2 * DEJAVU_VEC), a2);         \
+            a3 = vfma(vload_w(w + i + 3 * DEJAVU_VEC), vload(x + i + 3 * DEJAVU_VEC), a3);         \
+        }                                                                                          \
+        for (; i + DEJAVU_VEC <= n; i += DEJAVU_VEC) a0 = vfma(vload_w(w + i), vload(x + i), a0);  \
+        float s = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));                                          \
+        for (; i < n; i++) s += value(w[i]) * x[i];                                                \
+        return s;                                                                                  \
+    }
+/* acc[i] += v * row[i] */
+#define DEJAVU_AXPY(name, type, vload_w, value)                                                    \
+    static inline void name(float *restrict acc, float v, const type *restrict row, int64_t n) {   \
+        int64_t i = 0;                                                                             \
+        const vec_t vv = vset1(v);                                                                 \
+        for (; i + DEJAVU_VEC <= n; i += DEJAVU_VEC) vstore(acc + i, vfma(vv, vload_w(row + i), vload(acc + i))); \
+        for (; i < n; i++) acc[i] += v * value(row[i]);                                            \
+    }
+#else
+#define DEJAVU_DOT(name, type, vload_w, value)                                                     \
+    static inline float name(const type *restrict w, const float *restrict x, int64_t n) {          \
+        float s = 0.0f;                                                                            \
+        for (int64_t i = 0; i < n; i++) s += value(w[i]) * x[i];                                   \
+        return s;                                                                                  \
+    }
+#define DEJAVU_AXPY(name, type, vload_w, value)                                                    \
+    static inline void name(float *restrict acc, float v, const type *restrict row, int64_t n) {   \
+        for (int64_t i = 0; i < n; i++) acc[i] += v * value(row[i]);                               \
+    }
+#endif
+DEJAVU_DOT(dot_f32, float, vload, f32_value)
+DEJAVU_DOT(dot_bf16, uint16_t, vload_bf16, bf16_value)
+DEJAVU_DOT(dot_f16, uint16_t, vload_f16, f16_value)
+DEJAVU_AXPY(axpy_bf16, uint16_t, vload_bf16, bf16_value)
+DEJAVU_AXPY(axpy_f16, uint16_t, vload_f16, f16_value)
+#undef DEJAVU_DOT
+#undef DEJAVU_AXPY
+
+static inline void axpy_f32(float *restrict acc, float v, const float *restrict row, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) acc[i] += v * row[i];
+}
+
+/* A row of `type` elements at `row`: its dot product with x, and acc += v * row. */
+static inline float dot_typed(const void *row, int type, const float *restrict x, int64_t n) {
+    if (type == DEJAVU_W_BF16) return dot_bf16((const uint16_t *)row, x, n);
+    if (type == DEJAVU_W_F16) return dot_f16((const uint16_t *)row, x, n);
+    return dot_f32((const float *)row, x, n);
+}
+
+static inline void axpy_typed(float *restrict acc, float v, const void *row, int type, int64_t n) {
+    if (type == DEJAVU_W_BF16) axpy_bf16(acc, v, (const uint16_t *)row, n);
+    else if (type == DEJAVU_W_F16) axpy_f16(acc, v, (const uint16_t *)row, n);
+    else axpy_f32(acc, v, (const float *)row, n);
+}
+
+/* Row r of a matrix of `type` elements whose rows are `stride` elements apart. */
+static inline const void *row_at(const void *base, int type, int64_t r, int64_t stride) {
+    return (const char *)base + r * stride * element_bytes(type);
+}
+
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
@@ -54,7 +206,7 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return s;
 }
 
-static inline void prefetch(const float *row, int64_t row_bytes, int64_t max_bytes) {
+static inline void prefetch(const void *row, int64_t row_bytes, int64_t max_bytes) {
     int64_t n = row_bytes < max_bytes ? row_bytes : max_bytes;
     for (int64_t o = 0; o < n; o += 64) __builtin_prefetch((const char *)row + o, 0, 3);
 }
@@ -92,20 +244,22 @@ void dejavu_set_tuning(int64_t mlp_prefetch_rows, int64_t mlp_prefetch_bytes, in
 /* out[b] = sum_j act(w_a[r].x_b + b_a[r]) * (w_b[r].x_b + b_b[r]) * w_down_t[r] + b_down,
    r = idx[b * idx_row_stride + j] for j < k.
 
-   x: (nb, d) contiguous. w_a, w_b: rows of d floats, `*_stride` floats apart (w_b NULL: plain MLP,
-   h = act(w_a[r].x + b_a[r])). w_down_t: rows of d_out floats, down_stride apart. Biases NULL or
-   contiguous. idx_row_stride 0: one idx list shared by every row of x, and each weight row is read
-   once for all rows. scratch: n_threads * nb * d_out floats. out: (nb, d_out) contiguous.
-   prefetch_rows < 0: the machine's setting (dejavu_tuning). */
-void dejavu_sparse_mlp_f32(const float *x, int64_t nb, int64_t d, int64_t d_out,
-                           const float *w_a, int64_t a_stride, const float *w_b, int64_t b_stride,
-                           const float *w_down_t, int64_t down_stride,
-                           const float *b_a, const float *b_b, const float *b_down,
-                           const int64_t *idx, int64_t k, int64_t idx_row_stride, int activation,
-                           float *out, float *scratch, int n_threads,
-                           int64_t prefetch_rows, int64_t prefetch_bytes) {
+   x: (nb, d) contiguous. w_a, w_b: rows of d elements of w_type (DEJAVU_W_*), `*_stride` elements
+   apart (w_b NULL: plain MLP, h = act(w_a[r].x + b_a[r])). w_down_t: rows of d_out elements,
+   down_stride apart. Biases NULL or contiguous fp32. idx_row_stride 0: one idx list shared by every
+   row of x, and each weight row is read once for all rows. scratch: n_threads * nb * d_out floats.
+   out: (nb, d_out) contiguous. prefetch_rows < 0: the machine's setting (dejavu_tuning). fp32 rows
+   take the compiler-vectorised loops (dot, axpy_f32); half-precision rows widen as they load. */
+void dejavu_sparse_mlp(const float *x, int64_t nb, int64_t d, int64_t d_out, int w_type,
+                       const void *w_a, int64_t a_stride, const void *w_b, int64_t b_stride,
+                       const void *w_down_t, int64_t down_stride,
+                       const float *b_a, const float *b_b, const float *b_down,
+                       const int64_t *idx, int64_t k, int64_t idx_row_stride, int activation,
+                       float *out, float *scratch, int n_threads,
+                       int64_t prefetch_rows, int64_t prefetch_bytes) {
     if (prefetch_rows < 0) prefetch_rows = dejavu_tuning.mlp_prefetch_rows, prefetch_bytes = dejavu_tuning.mlp_prefetch_bytes;
     const int shared = idx_row_stride == 0;
+    const int64_t esize = element_bytes(w_type);
     const int64_t passes = shared ? 1 : nb;      /* one pass over idx per row (or one for all) */
     const int64_t rows_per_pass = shared ? nb : 1;
     for (int64_t p = 0; p < passes; p++) {
@@ -121,19 +275,25 @@ void dejavu_sparse_mlp_f32(const float *x, int64_t nb, int64_t d, int64_t d_out,
             for (int64_t j = lo; j < hi; j++) {
                 if (prefetch_bytes > 0 && j + prefetch_rows < hi) {
                     const int64_t q = ids[j + prefetch_rows];
-                    prefetch(w_a + q * a_stride, d * 4, prefetch_bytes);
-                    if (w_b) prefetch(w_b + q * b_stride, d * 4, prefetch_bytes);
-                    prefetch(w_down_t + q * down_stride, d_out * 4, prefetch_bytes);
+                    prefetch(row_at(w_a, w_type, q, a_stride), d * esize, prefetch_bytes);
+                    if (w_b) prefetch(row_at(w_b, w_type, q, b_stride), d * esize, prefetch_bytes);
+                    prefetch(row_at(w_down_t, w_type, q, down_stride), d_out * esize, prefetch_bytes);
                 }
                 const int64_t r = ids[j];
-                const float *row_a = w_a + r * a_stride, *row_down = w_down_t + r * down_stride;
+                const void *row_a = row_at(w_a, w_type, r, a_stride), *row_down = row_at(w_down_t, w_type, r, down_stride);
+                const void *row_b = w_b ? row_at(w_b, w_type, r, b_stride) : NULL;
                 for (int64_t b = 0; b < rows_per_pass; b++) {
                     const float *xb = xp + b * d;
-                    float h = activate(dot(row_a, xb, d) + (b_a ? b_a[r] : 0.0f), activation);
-                    if (w_b) h *= dot(w_b + r * b_stride, xb, d) + (b_b ? b_b[r] : 0.0f);
                     float *acc_b = acc + b * d_out;
-#pragma omp simd
-                    for (int64_t i = 0; i < d_out; i++) acc_b[i] += h * row_down[i];
+                    if (w_type == DEJAVU_W_F32) {
+                        float h = activate(dot((const float *)row_a, xb, d) + (b_a ? b_a[r] : 0.0f), activation);
+                        if (row_b) h *= dot((const float *)row_b, xb, d) + (b_b ? b_b[r] : 0.0f);
+                        axpy_f32(acc_b, h, (const float *)row_down, d_out);
+                    } else {
+                        float h = activate(dot_typed(row_a, w_type, xb, d) + (b_a ? b_a[r] : 0.0f), activation);
+                        if (row_b) h *= dot_typed(row_b, w_type, xb, d) + (b_b ? b_b[r] : 0.0f);
+                        axpy_typed(acc_b, h, row_down, w_type, d_out);
+                    }
                 }
             }
 #pragma omp barrier
@@ -250,45 +410,18 @@ void dejavu_glu_int8_scores_f32(const float *x, int64_t nb, int64_t d, const int
     }
 }
 
-/* acc[i] += v * row[i] for a row of bf16 values (the upper half of an fp32: widening is a shift). */
-static inline void axpy_bf16(float *restrict acc, float v, const uint16_t *restrict row, int64_t n) {
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    const __m512 vv = _mm512_set1_ps(v);
-    for (; i + 16 <= n; i += 16) {
-        const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + i)));
-        const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-        _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(vv, w, _mm512_loadu_ps(acc + i)));
-    }
-#elif defined(__AVX2__) && defined(__FMA__)
-    const __m256 vv = _mm256_set1_ps(v);
-    for (; i + 8 <= n; i += 8) {
-        const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + i)));
-        const __m256 w = _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(vv, w, _mm256_loadu_ps(acc + i)));
-    }
-#endif
-    for (; i < n; i++) {
-        const uint32_t bits = (uint32_t)row[i] << 16;
-        float w;
-        memcpy(&w, &bits, sizeof w);
-        acc[i] += v * w;
-    }
-}
-
 /* out[b] = sum_j h[b * h_stride + r] * table[r] + bias, r = idx[b * k + j] for j < k: the down
    projection of neurons whose values are already known (plan entries with values "predictor": the
    int8 predictor's act(g~) * u~), each selected row of the transposed down weight read once, in
-   place. table: rows of d_out fp32 values (table_bf16 0) or bf16 values (1: a plan's bf16 copy of
-   the down rows, half the bytes), table_stride elements apart; bias NULL or (d_out,) fp32; scratch:
-   n_threads * d_out floats; out: (nb, d_out) contiguous. Threads split the rows, as in
-   dejavu_sparse_mlp_f32. */
+   place. table: rows of d_out table_type elements (fp32; bf16: a plan's bf16 copy of the down rows,
+   half the bytes, or a bf16 model's own; fp16), table_stride elements apart; bias NULL or (d_out,)
+   fp32; scratch: n_threads * d_out floats; out: (nb, d_out) contiguous. Threads split the rows, as
+   in dejavu_sparse_mlp. */
 void dejavu_weighted_rows(const float *h, int64_t h_stride, const int64_t *idx, int64_t nb, int64_t k,
-                          const void *table, int table_bf16, int64_t table_stride, int64_t d_out, const float *bias,
+                          const void *table, int table_type, int64_t table_stride, int64_t d_out, const float *bias,
                           float *out, float *scratch, int n_threads) {
     const int64_t ahead = dejavu_tuning.mlp_prefetch_rows, bytes = dejavu_tuning.mlp_prefetch_bytes;
-    const int64_t element = table_bf16 ? 2 : 4, row_bytes = d_out * element;
-    const char *rows = (const char *)table;
+    const int64_t row_bytes = d_out * element_bytes(table_type);
     for (int64_t b = 0; b < nb; b++) {
         const int64_t *ids = idx + b * k;
         const float *hb = h + b * h_stride;
@@ -299,16 +432,9 @@ void dejavu_weighted_rows(const float *h, int64_t h_stride, const int64_t *idx, 
             float *acc = scratch + (int64_t)t * d_out;
             memset(acc, 0, sizeof(float) * d_out);
             for (int64_t j = lo; j < hi; j++) {
-                if (j + ahead < hi) prefetch((const float *)(rows + ids[j + ahead] * table_stride * element), row_bytes, bytes);
+                if (j + ahead < hi) prefetch(row_at(table, table_type, ids[j + ahead], table_stride), row_bytes, bytes);
                 const int64_t r = ids[j];
-                const float v = hb[r];
-                if (table_bf16) {
-                    axpy_bf16(acc, v, (const uint16_t *)(rows + r * table_stride * element), d_out);
-                } else {
-                    const float *row = (const float *)(rows + r * table_stride * element);
-#pragma omp simd
-                    for (int64_t i = 0; i < d_out; i++) acc[i] += v * row[i];
-                }
+                axpy_typed(acc, hb[r], row_at(table, table_type, r, table_stride), table_type, d_out);
             }
 #pragma omp barrier
             sum_partials(scratch, d_out, bias, d_out, out + b * d_out, t, n_t);
@@ -323,77 +449,37 @@ void dejavu_weighted_rows(const float *h, int64_t h_stride, const int64_t *idx, 
    of the rows (what the hardware prefetcher follows best), and the arithmetic hides under the
    loads. Exact: every product is summed, only the order differs from torch's GEMM. */
 
-#if defined(__AVX512F__)
-#define DEJAVU_VEC 16
-typedef __m512 vec_t;
-#define vzero() _mm512_setzero_ps()
-#define vload(p) _mm512_loadu_ps(p)
-#define vstore(p, v) _mm512_storeu_ps(p, v)
-#define vset1(s) _mm512_set1_ps(s)
-#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define vadd(a, b) _mm512_add_ps(a, b)
-static inline float vsum(vec_t v) { return _mm512_reduce_add_ps(v); }
-#elif defined(__AVX2__) && defined(__FMA__)
-#define DEJAVU_VEC 8
-typedef __m256 vec_t;
-#define vzero() _mm256_setzero_ps()
-#define vload(p) _mm256_loadu_ps(p)
-#define vstore(p, v) _mm256_storeu_ps(p, v)
-#define vset1(s) _mm256_set1_ps(s)
-#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define vadd(a, b) _mm256_add_ps(a, b)
-static inline float vsum(vec_t v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#endif
-
-/* One row dotted with x. Four accumulators keep enough multiply-adds in flight. One row at a time
-   keeps each thread's reads a single forward stream, which the hardware prefetcher follows at full
-   bandwidth; reading four rows side by side gives each thread four streams, which it follows worse. */
-static inline float dot_f32(const float *restrict w, const float *restrict x, int64_t n) {
-    int64_t i = 0;
-    float s = 0.0f;
-#ifdef DEJAVU_VEC
-    vec_t a0 = vzero(), a1 = a0, a2 = a0, a3 = a0;
-    for (; i + 4 * DEJAVU_VEC <= n; i += 4 * DEJAVU_VEC) {
-        a0 = vfma(vload(w + i), vload(x + i), a0);
-        a1 = vfma(vload(w + i + DEJAVU_VEC), vload(x + i + DEJAVU_VEC), a1);
-        a2 = vfma(vload(w + i + 2 * DEJAVU_VEC), vload(x + i + 2 * DEJAVU_VEC), a2);
-        a3 = vfma(vload(w + i + 3 * DEJAVU_VEC), vload(x + i + 3 * DEJAVU_VEC), a3);
-    }
-    for (; i + DEJAVU_VEC <= n; i += DEJAVU_VEC) a0 = vfma(vload(w + i), vload(x + i), a0);
-    s = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
-#endif
-    for (; i < n; i++) s += w[i] * x[i];
-    return s;
-}
 
 /* out[b, r] = w[r] . x[b] + bias[r] for r < n: w (n, d) rows w_stride floats apart (nn.Linear's
    layout), x (nb, d) and out (nb, n) contiguous, bias NULL or (n,). Thread t takes the rows
    [n t / T, n (t+1) / T); each row is read once for all rows of x (it stays in L1 between them).
    prefetch_rows > 0: also prefetch the row that many ahead (tuned per machine, see native.py). */
-void dejavu_linear_f32(const float *x, int64_t nb, int64_t d, const float *w, int64_t w_stride, int64_t n,
-                       const float *bias, float *out, int n_threads, int64_t prefetch_rows) {
+void dejavu_linear(const float *x, int64_t nb, int64_t d, int w_type, const void *w, int64_t w_stride, int64_t n,
+                   const float *bias, float *out, int n_threads, int64_t prefetch_rows) {
+    const int64_t row_bytes = d * element_bytes(w_type);
 #pragma omp parallel num_threads(n_threads)
     {
         const int t = omp_get_thread_num(), n_t = omp_get_num_threads();
         const int64_t lo = n * t / n_t, hi = n * (t + 1) / n_t;
         for (int64_t r = lo; r < hi; r++) {
-            if (prefetch_rows > 0 && r + prefetch_rows < hi) prefetch(w + (r + prefetch_rows) * w_stride, d * 4, d * 4);
-            for (int64_t b = 0; b < nb; b++) out[b * n + r] = dot_f32(w + r * w_stride, x + b * d, d) + (bias ? bias[r] : 0.0f);
+            if (prefetch_rows > 0 && r + prefetch_rows < hi) prefetch(row_at(w, w_type, r + prefetch_rows, w_stride), row_bytes, row_bytes);
+            const void *row = row_at(w, w_type, r, w_stride);
+            for (int64_t b = 0; b < nb; b++) out[b * n + r] = dot_typed(row, w_type, x + b * d, d) + (bias ? bias[r] : 0.0f);
         }
     }
 }
 
+void dejavu_linear_f32(const float *x, int64_t nb, int64_t d, const float *w, int64_t w_stride, int64_t n,
+                       const float *bias, float *out, int n_threads, int64_t prefetch_rows) {
+    dejavu_linear(x, nb, d, DEJAVU_W_F32, w, w_stride, n, bias, out, n_threads, prefetch_rows);
+}
+
 /* out[b] = sum_i x[b, i] * w_t[i] + bias: the same product for a weight stored transposed, w_t (d, n)
-   rows t_stride floats apart (the layout prepare_model gives down and output projections, which the
+   rows t_stride elements apart (the layout prepare_model gives down and output projections, which the
    sparse kernels read by rows). Thread t sums rows [d t / T, d (t+1) / T) into its accumulator
    (scratch: n_threads * nb * n floats); the accumulators are added at the end. */
-void dejavu_linear_t_f32(const float *x, int64_t nb, int64_t d, const float *w_t, int64_t t_stride, int64_t n,
-                         const float *bias, float *out, float *scratch, int n_threads) {
+void dejavu_linear_t(const float *x, int64_t nb, int64_t d, int w_type, const void *w_t, int64_t t_stride, int64_t n,
+                     const float *bias, float *out, float *scratch, int n_threads) {
 #pragma omp parallel num_threads(n_threads)
     {
         const int t = omp_get_thread_num(), n_t = omp_get_num_threads();
@@ -401,13 +487,8 @@ void dejavu_linear_t_f32(const float *x, int64_t nb, int64_t d, const float *w_t
         float *acc = scratch + (int64_t)t * nb * n;
         memset(acc, 0, sizeof(float) * nb * n);
         for (int64_t i = lo; i < hi; i++) {
-            const float *row = w_t + i * t_stride;
-            for (int64_t b = 0; b < nb; b++) {
-                const float v = x[b * d + i];
-                float *acc_b = acc + b * n;
-#pragma omp simd
-                for (int64_t c = 0; c < n; c++) acc_b[c] += v * row[c];
-            }
+            const void *row = row_at(w_t, w_type, i, t_stride);
+            for (int64_t b = 0; b < nb; b++) axpy_typed(acc + b * n, x[b * d + i], row, w_type, n);
         }
 #pragma omp barrier
         sum_partials(scratch, nb * n, bias, n, out, t, n_t);

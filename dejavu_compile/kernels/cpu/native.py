@@ -14,7 +14,8 @@ for the C++ ops. Libraries are cached under ``$DEJAVU_CACHE/kernels`` keyed by t
 (defines included), compiler and CPU (and torch's version for the C++ ops), so a changed source or
 table rebuilds and a home directory shared between machines is safe. When a build fails (or
 ``DEJAVU_CPU_NATIVE=0``), a warning says why once and the callers keep their torch/Inductor path.
-fp32 only: other dtypes take the torch path.
+The C++ ops take fp32, bf16 and fp16 weights as stored (the kernels widen them as they load and sum
+in fp32); the ctypes entry points below are fp32 only.
 """
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ FLAGS = (*_COMMON_FLAGS, "-std=c11")
 # benchmarks/kernels.py --prefetch-sweep sets other (rows ahead, bytes per row).
 PREFETCH_ROWS = None
 PREFETCH_BYTES = None
+
+W_F32 = 0  # DEJAVU_W_F32: the weight element code of the C kernels' fp32 rows
 
 _STATE: dict = {"lib": None, "error": None, "enabled": os.environ.get("DEJAVU_CPU_NATIVE", "1") != "0"}
 _OPS: dict = {"loaded": False, "error": None}
@@ -112,12 +115,12 @@ def _load():
                 path = _build(cc)
                 lib = ctypes.CDLL(str(path))
                 P, I = ctypes.c_void_p, ctypes.c_int64
-                lib.dejavu_sparse_mlp_f32.argtypes = [P, I, I, I, P, I, P, I, P, I, P, P, P, P, I, I, ctypes.c_int,
-                                                      P, P, ctypes.c_int, I, I]
+                lib.dejavu_sparse_mlp.argtypes = [P, I, I, I, ctypes.c_int, P, I, P, I, P, I, P, P, P, P, I, I,
+                                                  ctypes.c_int, P, P, ctypes.c_int, I, I]
                 lib.dejavu_int8_linear_f32.argtypes = [P, I, I, P, I, P, P, P, P, ctypes.c_int]
                 lib.dejavu_linear_f32.argtypes = [P, I, I, P, I, I, P, P, ctypes.c_int, I]
                 lib.dejavu_set_tuning.argtypes = [I, I, I]
-                for fn in (lib.dejavu_sparse_mlp_f32, lib.dejavu_int8_linear_f32, lib.dejavu_linear_f32,
+                for fn in (lib.dejavu_sparse_mlp, lib.dejavu_int8_linear_f32, lib.dejavu_linear_f32,
                            lib.dejavu_set_tuning):
                     fn.restype = None
                 _STATE["tuning"] = machine_tuning(lib, path.with_suffix(".tuning.json"))
@@ -128,6 +131,13 @@ def _load():
                 warnings.warn(f"dejavu: the C sparse MLP kernel is unavailable ({_STATE['error']}); "
                               "CPU sparse MLPs use the slower torch/Inductor path", RuntimeWarning, stacklevel=3)
     return _STATE["lib"]
+
+
+def vector_width() -> int:
+    """fp32 lanes of the built kernels' vector loops: 16 (AVX-512), 8 (AVX2), 1 (scalar); 0 when the
+    kernels are unavailable."""
+    lib = _load()
+    return 0 if lib is None else int(lib.dejavu_vector_width())
 
 
 def available() -> bool:
@@ -152,7 +162,7 @@ def sparse_mlp_f32(x: Tensor, w_a: Tensor, w_b: Optional[Tensor], w_down_t: Tens
                    activation: str, b_a: Optional[Tensor], b_b: Optional[Tensor], b_down: Optional[Tensor],
                    out: Optional[Tensor] = None) -> Tensor:
     """The C kernel (caller checked arguments and :func:`applies`); writes every element of out."""
-    fn = _load().dejavu_sparse_mlp_f32
+    fn = _load().dejavu_sparse_mlp
     code = activations.ACTIVATIONS[activation].code
     x = x.contiguous()
     nb, d = x.shape
@@ -165,7 +175,7 @@ def sparse_mlp_f32(x: Tensor, w_a: Tensor, w_b: Optional[Tensor], w_down_t: Tens
     def ptr(t):
         return None if t is None else t.data_ptr()
 
-    fn(x.data_ptr(), nb, d, d_out, w_a.data_ptr(), w_a.stride(0), ptr(w_b), 0 if w_b is None else w_b.stride(0),
+    fn(x.data_ptr(), nb, d, d_out, W_F32, w_a.data_ptr(), w_a.stride(0), ptr(w_b), 0 if w_b is None else w_b.stride(0),
        w_down_t.data_ptr(), w_down_t.stride(0), ptr(b_a), ptr(b_b), ptr(b_down),
        idx.data_ptr(), idx.shape[-1], 0 if idx.dim() == 1 else idx.stride(0), code,
        out.data_ptr(), scratch.data_ptr(), threads, -1 if PREFETCH_ROWS is None else PREFETCH_ROWS,
@@ -225,10 +235,10 @@ def machine_tuning(lib, path: Path) -> dict:
 
     def mlp(setting, i):
         w = weights[i]
-        lib.dejavu_sparse_mlp_f32(x.data_ptr(), 1, d, d, w[0].data_ptr(), d, w[1].data_ptr(), d, w[2].data_ptr(), d,
-                                  None, None, None, idx[i].data_ptr(), idx[i].numel(), 0,
-                                  activations.ACTIVATIONS["silu"].code, out.data_ptr(), scratch.data_ptr(), threads,
-                                  *setting)
+        lib.dejavu_sparse_mlp(x.data_ptr(), 1, d, d, W_F32, w[0].data_ptr(), d, w[1].data_ptr(), d, w[2].data_ptr(), d,
+                              None, None, None, idx[i].data_ptr(), idx[i].numel(), 0,
+                              activations.ACTIVATIONS["silu"].code, out.data_ptr(), scratch.data_ptr(), threads,
+                              *setting)
 
     def linear(setting, i):
         w = weights[i]
