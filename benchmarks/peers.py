@@ -2,30 +2,36 @@
 
     python benchmarks/peers.py                       # writes benchmarks/results/peers.json
     python benchmarks/peers.py --new-tokens 48 --repeats 5 --threads 2 --eval-tokens 2048
+    python benchmarks/peers.py --dtype bfloat16      # the model in bf16: benchmarks/results/peers-bf16.json
+    python benchmarks/peers.py --weights int8        # quantize_weights(model, "int8"): peers-int8.json
 
-Variants (fp32, batch 1, greedy, static cache, the same prompt):
+Variants (the model in --dtype, fp32 by default; batch 1, greedy, static cache, the same prompt):
 - HF eager; Inductor dense (default settings); Inductor with its CPU settings for inference
   (freezing + cpp_wrapper);
 - dejavu exact: the backend with no plan, every layer dense (projections through its GEMV kernel);
-- dejavu default plan: the plan ``dejavu-compile demo`` uses (calibrated on first use, then cached);
+- dejavu default plan: the plan ``dejavu-compile demo`` uses (calibrated on first use, then cached;
+  left out with int8 weights, whose blocks sparse plans do not yet reach);
 - both dejavu variants again through ``dejavu_compile.greedy_decode`` (the same compiled forward, a
   greedy loop without ``generate()``'s per-token Python), and through it with ``skip_guards=True``
   (Dynamo's guards skipped after the second decode step);
 - llama.cpp through llama-cpp-python, when it is installed (``pip install -e .[peers]``; it builds
-  llama.cpp from source), on the same weights: the bundled Q4_1 GGUF requantized to F32 (the values
-  the torch variants run) and to Q8_0.
+  llama.cpp from source), on the same weights: the bundled Q4_1 GGUF requantized to the format of
+  --dtype (F32, BF16 or F16: the values the torch variants run) and to Q8_0 (the reference of
+  --weights int8).
 
 Speed: decode tokens/s, ``(n - 1) / (t(n tokens) - t(1 token))``, every variant once per round,
 rounds interleaved, medians. Every compiled variant is checked to have compiled its graphs in the
 warm-up, and the timed rounds run with Dynamo's ``error_on_recompile`` (a variant that fell back to
 eager, or recompiles, fails the run). Quality: held-out perplexity on the bundled Wikipedia
 evaluation split and news texts, dense and under the default plan (the backend's masked
-simulation); dejavu exact computes the dense model. The greedy tokens of each variant are compared
-with HF eager's.
+simulation), against the fp32 dense model where the variants run another format, and llama.cpp's
+own perplexity of each of its formats on the same token ids; dejavu exact computes the dense
+model. The greedy tokens of each variant are compared with HF eager's.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import pathlib
@@ -50,7 +56,7 @@ class CountingBackend:
         return self.compile_graph(gm, example_inputs)
 
 
-def torch_variants(plan):
+def torch_variants(plan=None):
     from torch._inductor.compile_fx import compile_fx
 
     from dejavu_compile.compiler.backend import dejavu_backend
@@ -61,18 +67,23 @@ def torch_variants(plan):
     def dejavu(options):
         return lambda gm, ex: dejavu_backend(gm, ex, options=options)
 
-    return {
+    variants = {
         "HF eager": None,
         "Inductor dense": CountingBackend("Inductor dense", inductor()),
         "Inductor freezing+cpp_wrapper": CountingBackend("Inductor freezing+cpp_wrapper",
                                                          inductor({"freezing": True, "cpp_wrapper": True})),
         "dejavu exact": CountingBackend("dejavu exact", dejavu({})),
-        "dejavu default plan": CountingBackend("dejavu default plan", dejavu({"plan": plan})),
     }
+    if plan is not None:
+        variants["dejavu default plan"] = CountingBackend("dejavu default plan", dejavu({"plan": plan}))
+    return variants
 
 
-def llama_cpp_models(threads: int) -> dict:
-    """llama.cpp on the bundled weights at F32 and Q8_0 (converted once into the cache), or {}."""
+LLAMA_CPP_FORMAT = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}  # llama.cpp's name of each dtype
+
+
+def llama_cpp_models(threads: int, formats=("F32", "Q8_0")) -> dict:
+    """llama.cpp on the bundled weights in each format (converted once into the cache), or {}."""
     try:
         import ctypes
 
@@ -86,7 +97,10 @@ def llama_cpp_models(threads: int) -> dict:
     folder = cache_dir() / "gguf"
     folder.mkdir(parents=True, exist_ok=True)
     models = {}
-    for name, ftype in (("F32", llama_cpp.LLAMA_FTYPE_ALL_F32), ("Q8_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0)):
+    ftypes = {"F32": llama_cpp.LLAMA_FTYPE_ALL_F32, "BF16": llama_cpp.LLAMA_FTYPE_MOSTLY_BF16,
+              "F16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16, "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
+    for name in formats:
+        ftype = ftypes[name]
         path = folder / f"smollm2-135m-instruct-{name}.gguf"
         if not path.exists():
             params = llama_cpp.llama_model_quantize_default_params()
@@ -112,6 +126,29 @@ def llama_cpp_run(llm, prompt: str, n: int):
     return time.perf_counter() - start, llm.detokenize(out).decode(errors="replace")
 
 
+def llama_cpp_perplexity(llm, chunks, threads: int) -> float:
+    """llama.cpp's own perplexity of the model behind ``llm`` on the same token ids as the torch
+    variants (whole-chunk evaluation with every position's logits, as ``evaluation.perplexity``)."""
+    import math
+
+    import llama_cpp
+    import numpy as np
+    import torch.nn.functional as F
+
+    length = max(c.shape[1] for c in chunks)
+    scorer = llama_cpp.Llama(model_path=llm.model_path, n_threads=threads, n_threads_batch=threads, n_ctx=length,
+                             n_batch=length, logits_all=True, verbose=False)
+    nll, count = 0.0, 0
+    for chunk in chunks:
+        ids = chunk[0].tolist()
+        scorer.reset()
+        scorer.eval(ids)
+        logits = torch.from_numpy(np.asarray(scorer.scores[: len(ids) - 1], dtype=np.float32))
+        nll += F.cross_entropy(logits, chunk[0, 1:], reduction="sum").item()
+        count += len(ids) - 1
+    return math.exp(nll / count)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--new-tokens", type=int, default=48)
@@ -119,8 +156,17 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eval-tokens", type=int, default=2048, help="held-out tokens per text set (0: no quality)")
     ap.add_argument("--no-llama-cpp", action="store_true")
-    ap.add_argument("--out", default=str(RESULTS / "peers.json"))
+    ap.add_argument("--dtype", default="float32", choices=list(LLAMA_CPP_FORMAT),
+                    help="the model's dtype (llama.cpp runs the same format beside Q8_0)")
+    ap.add_argument("--weights", default="float", choices=["float", "int8"],
+                    help="int8: dejavu_compile.quantize_weights(model, 'int8') after the cast (llama.cpp's Q8_0 beside it)")
+    ap.add_argument("--out", default=None, help="default benchmarks/results/peers.json (peers-bf16.json, ...)")
     args = ap.parse_args(argv)
+    reference = "Q8_0" if args.weights == "int8" else LLAMA_CPP_FORMAT[args.dtype]
+    if args.out is None:
+        suffix = "-".join(p for p in (args.weights != "float" and args.weights,
+                                      args.dtype != "float32" and LLAMA_CPP_FORMAT[args.dtype].lower()) if p)
+        args.out = str(RESULTS / (f"peers-{suffix}.json" if suffix else "peers.json"))
     torch.set_num_threads(args.threads)
     from tqdm.auto import tqdm
 
@@ -133,13 +179,23 @@ def main(argv=None) -> int:
     cpu = cpu_info()
     info = {**machine(), "cpu": cpu["cpu"], "isa": cpu["isa"], "avx512_vnni": cpu["avx512_vnni"],
             "kernel_tuning": native.tuning(),
+            "vector_width": native.vector_width(), "dtype": args.dtype, "weights": args.weights,
             "new_tokens": args.new_tokens, "repeats": args.repeats}
     print(f"machine: {info}")
     model, tok = load_smollm2()
     model.eval()
     plan_dir = _default_plan_dir(model, BUNDLED)
     plan = load_or_calibrate(model, tok, plan_dir)
+    fp32 = copy.deepcopy(model) if args.dtype != "float32" or args.weights != "float" else None  # the quality reference
+    model.to(getattr(torch, args.dtype))  # the plan was calibrated on the fp32 weights this rounds
     prepare_model(model)
+    if args.weights == "int8":
+        from dejavu_compile.compiler.quantize import quantize_weights
+
+        print(quantize_weights(model, "int8"))
+        plan = None
+    info["resident_weight_bytes"] = sum(t.untyped_storage().nbytes() for t in {
+        t.untyped_storage().data_ptr(): t for t in [*model.parameters(), *model.buffers()]}.values())
     ids = tok(DEMO_PROMPT, return_tensors="pt").input_ids
     backends = torch_variants(plan)
     original = model.forward
@@ -147,7 +203,7 @@ def main(argv=None) -> int:
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, 8 * len(forwards))
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 64 * len(forwards))
-    llamas = {} if args.no_llama_cpp else llama_cpp_models(args.threads)
+    llamas = {} if args.no_llama_cpp else llama_cpp_models(args.threads, tuple(dict.fromkeys((reference, "Q8_0"))))
 
     from dejavu_compile.evaluation.decode import greedy_decode
 
@@ -194,9 +250,11 @@ def main(argv=None) -> int:
         rates = [(args.new_tokens - 1) / (tn - t1) for t1, tn in zip(times[name][1], times[name][args.new_tokens])]
         speed[name] = {"tokens_per_s": statistics.median(rates), "runs": rates,
                        "same_tokens_as_hf_eager": texts[name] == texts["HF eager"]}
-    base = speed.get("llama.cpp F32", speed["Inductor dense"])["tokens_per_s"]
+    base_name = f"llama.cpp {reference}" if f"llama.cpp {reference}" in speed else "Inductor dense"
+    ratio_key = "vs_" + base_name.replace("llama.cpp ", "llama_cpp_").replace(" ", "_").lower()
+    base = speed[base_name]["tokens_per_s"]
     for row in speed.values():
-        row["vs_llama_cpp_f32" if "llama.cpp F32" in speed else "vs_inductor"] = row["tokens_per_s"] / base
+        row[ratio_key] = row["tokens_per_s"] / base
 
     quality = {}
     if args.eval_tokens:
@@ -205,19 +263,38 @@ def main(argv=None) -> int:
 
         for set_name, texts_ in (("wiki", wiki_articles("eval")), ("news", news_texts())):
             chunks = tokenize_chunks(tok, texts_, seq_len=256, max_tokens=args.eval_tokens)
-            dense, sparse = perplexity(model, chunks, progress=True), perplexity(model, chunks, plan, progress=True)
-            quality[set_name] = {"dense": dense, "default_plan": sparse, "increase": sparse / dense - 1,
-                                 "tokens": sum(c.numel() for c in chunks)}
-    result = {"machine": info, "plan": str(plan_dir), "mlp_density": plan.mlp_density,
+            dense = perplexity(model, chunks, progress=True)
+            q = quality[set_name] = {"dense": dense, "tokens": sum(c.numel() for c in chunks)}
+            if plan is not None:
+                q["default_plan"] = perplexity(model, chunks, plan, progress=True)
+                q["increase"] = q["default_plan"] / dense - 1
+            if fp32 is not None:
+                q["fp32_dense"] = perplexity(fp32, chunks, progress=True)
+                q["dense_vs_fp32"] = dense / q["fp32_dense"] - 1
+                if plan is not None:
+                    q["default_plan_vs_fp32"] = q["default_plan"] / q["fp32_dense"] - 1
+            for name, llm in llamas.items():  # llama.cpp's own figure, on the same ids
+                q[name] = llama_cpp_perplexity(llm, chunks, args.threads)
+                q[f"{name} vs fp32"] = q[name] / q.get("fp32_dense", dense) - 1
+    result = {"machine": info, "plan": str(plan_dir) if plan is not None else None,
+              "mlp_density": plan.mlp_density if plan is not None else None,
               "compiled_graphs": {b.name: b.graphs for b in backends.values() if b is not None},
               "speed": speed, "perplexity": quality, "outputs": texts}
     print(f"\n{'variant':<44}{'tokens/s':>10}{'ratio':>8}  same tokens as HF eager")
     for name, row in speed.items():
-        ratio = row.get("vs_llama_cpp_f32", row.get("vs_inductor"))
+        ratio = row[ratio_key]
         print(f"{name:<44}{row['tokens_per_s']:>10.1f}{ratio:>7.2f}x  {row['same_tokens_as_hf_eager']}")
     for set_name, q in quality.items():
-        print(f"perplexity {set_name}: dense {q['dense']:.3f}, default plan {q['default_plan']:.3f} "
-              f"({q['increase']:+.2%}, {q['tokens']} tokens)")
+        line = f"perplexity {set_name} ({q['tokens']} tokens): dense {q['dense']:.3f}"
+        if "default_plan" in q:
+            line += f", default plan {q['default_plan']:.3f} ({q['increase']:+.2%})"
+        if "fp32_dense" in q:
+            line += f"; against the fp32 dense model ({q['fp32_dense']:.3f}): dense {q['dense_vs_fp32']:+.2%}"
+            if "default_plan_vs_fp32" in q:
+                line += f", default plan {q['default_plan_vs_fp32']:+.2%}"
+        for name in llamas:
+            line += f"; {name} {q[name]:.3f} ({q[f'{name} vs fp32']:+.2%} vs fp32)"
+        print(line)
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")

@@ -12,7 +12,7 @@ from dejavu_compile.errors import DejavuOptionError, PlanMismatchError
 __version__ = "0.1.0"
 __all__ = [
     "AttentionBlock", "DejavuOptionError", "ExplainReport", "PlanMismatchError", "MLPBlock", "SparsityPlan", "WeightRef", "calibrate",
-    "dejavu_backend", "explain", "greedy_decode", "prepare_model", "register_rule", "registered_rules", "unregister_rule",
+    "dejavu_backend", "explain", "greedy_decode", "prepare_model", "quantize_weights", "register_rule", "registered_rules", "unregister_rule",
 ]
 
 
@@ -33,4 +33,8 @@ def __getattr__(name):  # heavier pieces load on first use
         from dejavu_compile.compiler.prepare import prepare_model
 
         return prepare_model
+    if name == "quantize_weights":
+        from dejavu_compile.compiler.quantize import quantize_weights
+
+        return quantize_weights
     raise AttributeError(f"module 'dejavu_compile' has no attribute {name!r}")

@@ -10,14 +10,15 @@ and for the fp32 MLP ops a C kernel built on first use, ``cpu/``):
 - ``int8_linear(x, w_int8, scale)``: the int8 predictor's GEMV (the C kernel on CPU, see ``int8.py``)
 
 The backend's CPU decode step calls more, registered from C++ when ``cpu_ops_available()`` builds
-and loads them (fp32, inference only, no Python between Inductor's wrapper and the kernel; see
-``cpu/cpu_ops.cpp``):
+and loads them (fp32, bf16 and fp16 weights read as stored, sums in fp32, inference only, no Python
+between Inductor's wrapper and the kernel; see ``cpu/cpu_ops.cpp``):
 ``cpu_sparse_mlp(x, w_a, w_b, w_down_t, idx, activation, b_a, b_b, b_down)`` (w_b None: plain MLP),
 ``cpu_glu_int8_topk(x, w_int8, scale, k, activation)`` (the int8 predictor's top k, ascending),
 ``cpu_glu_int8_mlp(x, w_int8, scale, w_down_t, k, activation, b_down)`` (the block from the int8
 predictor's own values, plan entries with values "predictor"), ``cpu_linear(x, w, b)`` (a dense
-projection's GEMV) and ``cpu_screened_linear(x, w, w_int8, scale, k, b)`` (an output head screened
-by its int8 copy, the top k of each row exact).
+projection's GEMV), ``cpu_screened_linear(x, w, w_int8, scale, k, b)`` (an output head screened
+by its int8 copy, the top k of each row exact) and ``cpu_q8_linear(x, q, scales, b)`` (a projection
+stored as int8 with per-group scales, ``compiler/quantize.py``'s format).
 
 Weight layouts are prepared once with ``prepare_gated_mlp_weights``, ``prepare_mlp_weights`` and
 ``prepare_attention_weights``. Triton launchers live in ``triton/`` (imported on first CUDA use,

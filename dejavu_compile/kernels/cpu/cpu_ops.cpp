@@ -13,6 +13,9 @@
 //       a dense projection at decode shapes: the GEMV kernels of cpu_sparse_mlp.c read w once, as
 //       stored (nn.Linear's rows, or the transposed storage prepare_model gives down and output
 //       projections); more than kMaxGemvRows rows of x, or other dtypes, go to at::linear.
+//   cpu_q8_linear(x, q, scales, b?) -> (..., n)
+//       a projection whose weight is int8 with per-group scales (quantize_weights' format): any
+//       number of rows (decode and prefill), x quantized to int16 per row, sums in fp32;
 //   cpu_screened_linear(x, w, w_int8, scale, k, b?) -> (..., n)
 //       the output head screened by an int8 copy of its rows: the top k of each row recomputed from w.
 //
@@ -260,6 +263,35 @@ at::Tensor cpu_linear(const at::Tensor& x_in, const at::Tensor& w, const std::op
   return in_dtype(out, dtype);
 }
 
+at::Tensor cpu_q8_linear(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& b) {
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(),
+              "cpu_q8_linear: q must be contiguous int8 (n, d) on the CPU, got ", q.scalar_type(), " ", q.sizes());
+  const int64_t n = q.size(0), d = q.size(1);
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == d, "cpu_q8_linear: x (..., ", d, ") expected, got ", x_in.sizes());
+  check_cpu(scales, "scales", at::kFloat);
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) >= 1 && scales.is_contiguous() &&
+                  d % scales.size(1) == 0,
+              "scales must be contiguous float32 (", n, ", groups) with groups dividing ", d, ", got ", scales.sizes());
+  const int64_t group = d / scales.size(1);
+  TORCH_CHECK(group % 32 == 0 && group <= 256, "cpu_q8_linear: groups of a multiple of 32 up to 256 weights, got ",
+              group);
+  const at::ScalarType dtype = x_in.scalar_type();
+  const at::Tensor x = fp32_input(x_in, "x");
+  at::Tensor keep_b;
+  const float* pb = bias_ptr(b, "b", n, dtype, keep_b);
+  const int64_t rows = x.numel() / d;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor out = at::empty(shape, x.options());
+  if (rows == 0 || n == 0) return in_dtype(out, dtype);
+  at::Tensor x_int16 = at::empty({rows, d}, x.options().dtype(at::kShort));
+  at::Tensor x_scale = at::empty({rows}, x.options());
+  dejavu_q8_linear(x.data_ptr<float>(), rows, d, q.data_ptr<int8_t>(), n, scales.data_ptr<float>(), group, pb,
+                   out.data_ptr<float>(), x_int16.data_ptr<int16_t>(), x_scale.data_ptr<float>(), at::get_num_threads());
+  return in_dtype(out, dtype);
+}
+
 at::Tensor cpu_screened_linear(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& w_int8,
                                const at::Tensor& scale, int64_t k, const std::optional<at::Tensor>& b) {
   TORCH_CHECK(w.dim() == 2 && x_in.dim() >= 1 && x_in.size(-1) == w.size(1), "cpu_screened_linear: x (..., ",
@@ -314,6 +346,7 @@ TORCH_LIBRARY_FRAGMENT(dejavu, m) {
         "Tensor? b_down=None) -> (Tensor, Tensor)");
   m.def("cpu_linear(Tensor x, Tensor w, Tensor? b=None) -> Tensor");
   m.def("cpu_screened_linear(Tensor x, Tensor w, Tensor w_int8, Tensor scale, int k, Tensor? b=None) -> Tensor");
+  m.def("cpu_q8_linear(Tensor x, Tensor q, Tensor scales, Tensor? b=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dejavu, CPU, m) {
@@ -322,4 +355,5 @@ TORCH_LIBRARY_IMPL(dejavu, CPU, m) {
   m.impl("cpu_glu_int8_mlp", &cpu_glu_int8_mlp);
   m.impl("cpu_linear", &cpu_linear);
   m.impl("cpu_screened_linear", &cpu_screened_linear);
+  m.impl("cpu_q8_linear", &cpu_q8_linear);
 }

@@ -307,34 +307,43 @@ void dejavu_sparse_mlp(const float *x, int64_t nb, int64_t d, int64_t d_out, int
    the GEMV memory bound; converting each int8 to fp32 instead makes it compute bound. Callers go one
    row at a time: walking several rows side by side (sharing each load of x) read the weights from
    memory well below the rate of a single stream, and x is in L1 anyway. */
+/* acc += the products of 32 (AVX-512) or 16 (AVX2) int8 weights at p and int16 x, summed in int32 pairs. */
+#if defined(__AVX512BW__)
+#if defined(__AVX512VNNI__)
+#define DEJAVU_MADD(acc, p, xp) \
+    acc = _mm512_dpwssd_epi32(acc, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p))), \
+                              _mm512_loadu_si512((const void *)(xp)))
+#else
+#define DEJAVU_MADD(acc, p, xp) \
+    acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p))), \
+                                                   _mm512_loadu_si512((const void *)(xp))))
+#endif
+#define DEJAVU_INT8_LANES 32
+#elif defined(__AVX2__)
+#define DEJAVU_MADD(acc, p, xp) \
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p))), \
+                                                   _mm256_loadu_si256((const __m256i *)(xp))))
+#define DEJAVU_INT8_LANES 16
+#endif
+
 static inline int32_t dot_i8(const int8_t *restrict w, const int16_t *restrict x, int64_t n) {
     int64_t i = 0;
     int32_t s = 0;
 #if defined(__AVX512BW__)
     __m512i a0 = _mm512_setzero_si512(), a1 = a0;
-#if defined(__AVX512VNNI__)
-#define DEJAVU_MADD(acc, p, xv) acc = _mm512_dpwssd_epi32(acc, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p))), xv)
-#else
-#define DEJAVU_MADD(acc, p, xv) acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p))), xv))
-#endif
     for (; i + 64 <= n; i += 64) {
-        DEJAVU_MADD(a0, w + i, _mm512_loadu_si512((const void *)(x + i)));
-        DEJAVU_MADD(a1, w + i + 32, _mm512_loadu_si512((const void *)(x + i + 32)));
+        DEJAVU_MADD(a0, w + i, x + i);
+        DEJAVU_MADD(a1, w + i + 32, x + i + 32);
     }
-    for (; i + 32 <= n; i += 32) DEJAVU_MADD(a0, w + i, _mm512_loadu_si512((const void *)(x + i)));
-#undef DEJAVU_MADD
+    for (; i + 32 <= n; i += 32) DEJAVU_MADD(a0, w + i, x + i);
     s = _mm512_reduce_add_epi32(_mm512_add_epi32(a0, a1));
 #elif defined(__AVX2__)
     __m256i a0 = _mm256_setzero_si256(), a1 = a0;
-#define DEJAVU_MADD(acc, p, xp) \
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p))), \
-                                                   _mm256_loadu_si256((const __m256i *)(xp))))
     for (; i + 32 <= n; i += 32) {
         DEJAVU_MADD(a0, w + i, x + i);
         DEJAVU_MADD(a1, w + i + 16, x + i + 16);
     }
     for (; i + 16 <= n; i += 16) DEJAVU_MADD(a0, w + i, x + i);
-#undef DEJAVU_MADD
     int32_t lanes[8];
     _mm256_storeu_si256((__m256i *)lanes, _mm256_add_epi32(a0, a1));
     for (int l = 0; l < 8; l++) s += lanes[l];
@@ -347,10 +356,7 @@ static inline int32_t dot_i8(const int8_t *restrict w, const int16_t *restrict x
    |w| <= 127 < 2^7, so |x_q| < 2^(24 - ceil(log2 d)), at most 2^15 - 1. Returns 1 / scale
    (x ~= x_q / scale), NaN when x holds a NaN or an infinity. The rounding error is under 2^-12 of
    max|x| for d <= 4096, far below the int8 weights' own. */
-static float quantize_x(const float *x, int64_t d, int16_t *xq) {
-    int bits = 24;
-    while (bits > 1 && ((int64_t)1 << (24 - bits)) < d) bits--;
-    if (bits > 15) bits = 15;
+static float quantize_x_bits(const float *x, int64_t d, int bits, int16_t *xq) {
     float m = 0.0f;
     int finite = 1;
     for (int64_t i = 0; i < d; i++) {
@@ -360,6 +366,13 @@ static float quantize_x(const float *x, int64_t d, int16_t *xq) {
     const float scale = finite && m > 0.0f ? (float)((1 << bits) - 1) / m : 0.0f;
     for (int64_t i = 0; i < d; i++) xq[i] = (int16_t)lrintf(finite ? x[i] * scale : 0.0f);
     return !finite ? NAN : (m > 0.0f ? 1.0f / scale : 0.0f);
+}
+
+static float quantize_x(const float *x, int64_t d, int16_t *xq) {
+    int bits = 24;
+    while (bits > 1 && ((int64_t)1 << (24 - bits)) < d) bits--;
+    if (bits > 15) bits = 15;
+    return quantize_x_bits(x, d, bits, xq);
 }
 
 static void quantize_rows(const float *x, int64_t nb, int64_t d, int16_t *xq, float *inv) {
@@ -408,6 +421,55 @@ void dejavu_glu_int8_scores_f32(const float *x, int64_t nb, int64_t d, const int
             scores[b * F + j] = signed_values ? v : fabsf(v);
         }
     }
+}
+
+/* ---- int8 weights with per-group scales (quantize_weights' format) ------------------------------
+
+   A row of d int8 weights holds d / group groups, each with its own fp32 scale (group a multiple
+   of 32 dividing d, at most 256): w[r, i] ~= q[r, i] * scales[r, i / group]. x is quantized to
+   int16 per row at 15 bits (one group's int32 sum stays below 127 * 32767 * 256 < 2^31), each
+   group's integer dot product is scaled in fp32, and the groups are summed in fp32 vector lanes
+   (one horizontal sum per row). The weight bytes are the int8 values plus 4 / group per weight. */
+static inline float dot_q8_groups(const int8_t *restrict w, const int16_t *restrict x, const float *restrict scales,
+                                  int64_t d, int64_t group) {
+    float s = 0.0f;
+#if defined(DEJAVU_INT8_LANES) && defined(DEJAVU_VEC) && DEJAVU_VEC * 2 == DEJAVU_INT8_LANES
+    vec_t acc[2] = {vzero(), vzero()};  /* alternate groups: two fma chains in flight */
+    for (int64_t g0 = 0, g = 0; g0 < d; g0 += group, g++) {
+#if defined(__AVX512BW__)
+        __m512i sum = _mm512_setzero_si512();
+        for (int64_t i = g0; i < g0 + group; i += DEJAVU_INT8_LANES) DEJAVU_MADD(sum, w + i, x + i);
+        const vec_t partial = _mm512_cvtepi32_ps(sum);
+#else
+        __m256i sum = _mm256_setzero_si256();
+        for (int64_t i = g0; i < g0 + group; i += DEJAVU_INT8_LANES) DEJAVU_MADD(sum, w + i, x + i);
+        const vec_t partial = _mm256_cvtepi32_ps(sum);
+#endif
+        acc[g & 1] = vfma(partial, vset1(scales[g]), acc[g & 1]);
+    }
+    s = vsum(vadd(acc[0], acc[1]));
+#else
+    for (int64_t g0 = 0, g = 0; g0 < d; g0 += group, g++) {
+        int32_t sum = 0;
+        for (int64_t i = g0; i < g0 + group; i++) sum += w[i] * x[i];
+        s += scales[g] * (float)sum;
+    }
+#endif
+    return s;
+}
+
+/* out[b, r] = (q[r] . x_b with q's group scales) + bias[r] for r < n: q (n, d) int8 rows, d apart;
+   scales (n, d / group) fp32; x (nb, d) and out (nb, n) contiguous; bias NULL or (n,). Scratch: nb * d
+   int16 and nb floats. Each thread streams one contiguous share of the rows, each row read once for
+   all rows of x (prefill included: the same kernel, x's rows stay in cache). */
+void dejavu_q8_linear(const float *x, int64_t nb, int64_t d, const int8_t *w, int64_t n, const float *scales,
+                      int64_t group, const float *bias, float *out, int16_t *xq, float *inv, int n_threads) {
+    for (int64_t b = 0; b < nb; b++) inv[b] = quantize_x_bits(x + b * d, d, 15, xq + b * d);
+    const int64_t groups = d / group;
+#pragma omp parallel for num_threads(n_threads) schedule(static)
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t b = 0; b < nb; b++)
+            out[b * n + r] = inv[b] * dot_q8_groups(w + r * d, xq + b * d, scales + r * groups, d, group) + (bias ? bias[r] : 0.0f);
 }
 
 /* out[b] = sum_j h[b * h_stride + r] * table[r] + bias, r = idx[b * k + j] for j < k: the down

@@ -352,6 +352,13 @@ def _register_fakes() -> None:
     def _(x, w, b=None):
         return x.new_empty(*x.shape[:-1], w.shape[0])
 
+    @torch.library.register_fake("dejavu::cpu_q8_linear")
+    def _(x, q, scales, b=None):
+        if q.dtype != torch.int8 or q.dim() != 2 or scales.dim() != 2:  # sizes: the C++ kernel checks them
+            raise ValueError(f"q must be int8 (n, d) and scales (n, groups), got {q.dtype} {tuple(q.shape)} and "
+                             f"{tuple(scales.shape)}")
+        return x.new_empty(*x.shape[:-1], q.shape[0])
+
     @torch.library.register_fake("dejavu::cpu_screened_linear")
     def _(x, w, w_int8, scale, k, b=None):
         if w_int8.dtype != torch.int8 or w_int8.dim() != 2 or scale.dim() != 1:  # sizes: the C++ kernel checks them

@@ -1,0 +1,180 @@
+"""int8 weights with per-group scales: the grouping (quantize_rows_grouped), the C++ op
+dejavu::cpu_q8_linear against float64 of the dequantized weight, and quantize_weights on whole
+models (memory, logits against the float64 dequantized model, compiled decode against eager)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+from dejavu_compile.compiler.quantize import GROUP_SIZES, Int8Linear, quantize_rows_grouped, quantize_weights
+from dejavu_compile.kernels.cpu import native
+from dejavu_compile.testing.tiny import tiny_model
+from tests.helpers import token_ids
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.skipif(not native.load_ops(), reason=f"C++ ops unavailable: {native._OPS['error']}")
+EPS32 = torch.finfo(torch.float32).eps
+HALF_ULP = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 40), groups=st.integers(1, 5), group=st.sampled_from(GROUP_SIZES), seed=st.integers(0, 2**16),
+       zero_group=st.booleans())
+def test_grouped_rows_decode_within_half_a_step(n, groups, group, seed, zero_group):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, groups * group, generator=g) * torch.rand(n, 1, generator=g) * 3
+    if zero_group:
+        w[0, :group] = 0
+    q, scales = quantize_rows_grouped(w, group)
+    assert q.dtype == torch.int8 and scales.shape == (n, groups) and int(q.abs().max()) <= 127
+    decoded = (q.float().reshape(n, groups, group) * scales[..., None]).reshape(n, -1)
+    step = scales.repeat_interleave(group, dim=1)
+    assert bool(((decoded - w).abs() <= step / 2 * (1 + 1e-5) + 1e-30).all())
+    assert bool((q.reshape(n, groups, group).abs().amax(-1)[scales > 0] == 127).all())  # each group's range used
+    if zero_group:
+        assert scales[0, 0] == 0 and not q[0, :group].any()
+
+
+def _q8_problem(seed, lead, d, n, bias, dtype, group):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, d, generator=g) / d ** 0.5
+    q, scales = quantize_rows_grouped(w, group)
+    x = torch.randn(*lead, d, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return x, q, scales, b
+
+
+def _q8_reference(x, q, scales, b, dtype):
+    """float64 x @ dequantized(q).T + b, and the op's error bound: x's int16 rounding (half a step
+    of max|x| / 32767 per element, times each row's |w|), fp32 sums, and one rounding to dtype."""
+    group = q.shape[1] // scales.shape[1]
+    w = (q.double().reshape(q.shape[0], -1, group) * scales.double()[..., None]).reshape(q.shape)
+    x64 = x.double()
+    ref = F.linear(x64, w, None if b is None else b.double())
+    magnitude = F.linear(x64.abs(), w.abs(), None if b is None else b.double().abs())
+    x_step = x64.abs().amax(-1, keepdim=True) / 32767 / 2
+    bound = x_step * w.abs().sum(1) + 2 * (x.shape[-1] + 4) * EPS32 * magnitude
+    return ref, bound + HALF_ULP[dtype] * (ref.abs() + bound) + 1e-30
+
+
+@settings(max_examples=80, deadline=None)
+@given(lead=st.sampled_from([(1,), (3,), (1, 1), (2, 5), (40,)]), groups=st.integers(1, 6),
+       group=st.sampled_from(GROUP_SIZES), n=st.integers(1, 90), bias=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), threads=st.sampled_from([1, 2, 3]),
+       seed=st.integers(0, 2**16))
+def test_cpu_q8_linear_matches_float64_of_its_weight(lead, groups, group, n, bias, dtype, threads, seed):
+    """Decode and prefill row counts, every group size, widths of 1-6 groups, fp32/bf16/fp16 x, 1-3
+    threads. The op allocates its output in C++: comparing every element catches one left unwritten."""
+    x, q, scales, b = _q8_problem(seed, lead, groups * group, n, bias, dtype, group)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.ops.dejavu.cpu_q8_linear(x, q, scales, b)
+    finally:
+        torch.set_num_threads(before)
+    ref, bound = _q8_reference(x, q, scales, b, dtype)
+    assert out.shape == (*lead, n) and out.dtype == dtype
+    err = (out.double() - ref).abs()
+    assert bool((err <= bound).all()), f"max error {err.max().item():.3e} (ratio {(err / bound).max().item():.3g})"
+
+
+def test_cpu_q8_linear_bad_input_and_opcheck():
+    x, q, scales, b = _q8_problem(0, (2,), 64, 8, True, torch.float32, 32)
+    torch.library.opcheck(torch.ops.dejavu.cpu_q8_linear.default, (x, q, scales, b))
+    op = torch.ops.dejavu.cpu_q8_linear
+    with pytest.raises(RuntimeError, match="q must be contiguous int8"):
+        op(x, q.float(), scales, b)
+    with pytest.raises(RuntimeError, match="groups of a multiple of 32"):
+        op(torch.randn(2, 48), torch.zeros(8, 48, dtype=torch.int8), torch.ones(8, 1), None)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        op(x, q, scales[:, :1].repeat(1, 3).contiguous(), b)
+    with pytest.raises(RuntimeError, match=r"x \(\.\.\., 64\) expected"):
+        op(torch.randn(2, 32), q, scales, b)
+    with pytest.raises(RuntimeError, match="b must be BFloat16"):
+        op(x.bfloat16(), q, scales, b)
+    x[1, 5] = float("nan")
+    out = op(x, q, scales, b)
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()  # a NaN row stays NaN, the others exact
+
+
+def _dequantized_copy(model):
+    """The quantized model with each Int8Linear replaced by an nn.Linear holding its dequantized
+    weight, in float64: the reference its logits must match."""
+    reference = copy.deepcopy(model)
+    for name, module in list(reference.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, Int8Linear):
+                linear = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                with torch.no_grad():
+                    linear.weight.copy_(child.dequantized())
+                    if child.bias is not None:
+                        linear.bias.copy_(child.bias)
+                setattr(module, child_name, linear)
+    return reference.double()
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_quantized_model_is_its_dequantized_weights_and_a_quarter_of_the_bytes(arch):
+    model = tiny_model(arch, layers=2)
+    fp32 = copy.deepcopy(model)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    others = {p.data_ptr() for n, p in model.named_parameters() if n.rsplit(".", 1)[0] not in linears}
+    freed = sum(m.weight.nbytes for m in linears.values() if m.weight.data_ptr() not in others)  # a tied head: none
+    added = sum(m.weight.numel() * (1 + 4 / 32) for m in linears.values())  # int8 and a 4-byte scale per 32
+    report = quantize_weights(model)
+    assert set(report.quantized) == set(linears) and not report.kept
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert report.bytes_after == report.bytes_before - freed + added
+    assert report.bytes_after < 0.4 * report.bytes_before or arch == "opt"  # OPT's tiny head is tied: copied
+    assert "projections" in str(report)
+    ids = token_ids(2, 12)
+    with torch.no_grad():
+        got = model(ids, use_cache=False).logits
+        expected = _dequantized_copy(model)(ids, use_cache=False).logits
+        original = fp32(ids, use_cache=False).logits
+    scale = float(expected.abs().max())
+    assert float((got.double() - expected).abs().max()) < 1e-4 * scale  # x's int16 rounding only
+    moved = float((original.double() - expected).abs().max())
+    assert 0 < moved < 0.05 * scale  # the int8 rounding moved the logits, a little
+
+
+def test_quantized_model_compiles_and_decodes_as_eager():
+    """Through the dejavu backend (Inductor, its C++ wrapper) and plain Inductor, a decode step and a
+    greedy generate() with a static cache give eager's logits and tokens; the graph calls the op."""
+    model = tiny_model("llama", layers=2)
+    quantize_weights(model)
+    ids = token_ids(1, 6)
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="static",
+                                  pad_token_id=0)
+        reports = []
+        compiled = torch.compile(model.forward, backend="dejavu", options={"on_report": reports.append})
+        original = model.forward
+        model.forward = compiled
+        try:
+            got = model.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="static",
+                                 pad_token_id=0)
+        finally:
+            model.forward = original
+    torch._dynamo.reset()
+    assert torch.equal(got, expected)
+    assert reports and all(any("cpu_q8_linear" in str(n.target) for n in r.graph.graph.nodes)
+                           for r in reports)
+
+
+def test_quantize_weights_reports_what_it_keeps_and_refuses_bad_arguments():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    report = quantize_weights(model)
+    assert report.quantized == ["0"] and report.kept == [("2", "16 inputs, not a multiple of 32")]
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(model(x), model[2](torch.relu(model[0](x))))
+    with pytest.raises(ValueError, match="format must be one of"):
+        quantize_weights(torch.nn.Linear(64, 4), "int4")
+    with pytest.raises(ValueError, match="group_size must be one of"):
+        quantize_weights(torch.nn.Linear(64, 4), group_size=48)
+    with pytest.raises(ValueError, match="CPU models"):
+        quantize_weights(torch.nn.Linear(64, 4, device="meta"))
