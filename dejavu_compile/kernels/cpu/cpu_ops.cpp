@@ -89,6 +89,57 @@ at::Tensor in_dtype(const at::Tensor& out, at::ScalarType dtype) {
   return dtype == at::kFloat ? out : out.to(dtype);
 }
 
+// The decode ops called once per projection (cpu_linear, cpu_sparse_mlp, cpu_q8_linear) skip the
+// tensor copies of fp32_input and in_dtype, which cost about as much as a small projection's kernel:
+// a half-precision x is widened into a per-thread buffer and the fp32 result rounded into the output.
+template <typename T>
+void widen(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i++) dst[i] = static_cast<float>(src[i]);
+}
+
+const float* fp32_values(const at::Tensor& x, std::vector<float>& buffer) {  // x contiguous
+  if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
+  buffer.resize(x.numel());
+  if (x.scalar_type() == at::kBFloat16) widen(x.data_ptr<at::BFloat16>(), buffer.data(), x.numel());
+  else widen(x.data_ptr<at::Half>(), buffer.data(), x.numel());
+  return buffer.data();
+}
+
+// Where the kernel writes (the output itself for fp32, else `buffer`), and the output in `dtype`.
+struct KernelOutput {
+  at::Tensor result;
+  float* data;
+  KernelOutput(at::IntArrayRef shape, at::ScalarType dtype, std::vector<float>& buffer)
+      : result(at::empty(shape, at::TensorOptions().dtype(dtype))) {
+    if (dtype == at::kFloat) {
+      data = result.data_ptr<float>();
+    } else {
+      buffer.resize(result.numel());
+      data = buffer.data();
+    }
+  }
+  at::Tensor rounded() {  // the fp32 sums rounded once to the output's dtype
+    const int64_t n = result.numel();
+    if (result.scalar_type() == at::kBFloat16) {
+      at::BFloat16* o = result.data_ptr<at::BFloat16>();
+      for (int64_t i = 0; i < n; i++) o[i] = at::BFloat16(data[i]);
+    } else if (result.scalar_type() == at::kHalf) {
+      at::Half* o = result.data_ptr<at::Half>();
+      for (int64_t i = 0; i < n; i++) o[i] = at::Half(data[i]);
+    }
+    return result;
+  }
+};
+
+thread_local std::vector<float> x_buffer, out_buffer;
+
+// An activation argument for those ops: on the CPU, float32, bfloat16 or float16, contiguous.
+at::Tensor checked_input(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu(), name, " must be on the CPU, got ", x.device());
+  TORCH_CHECK(kernel_dtype(x.scalar_type()), name, " must be float32, bfloat16 or float16, got ", x.scalar_type());
+  return x.contiguous();
+}
+
 void check_rows(const at::Tensor& w, const char* name, int64_t n, int64_t width, at::ScalarType dtype) {
   check_cpu(w, name, dtype);
   TORCH_CHECK(w.dim() == 2 && w.size(0) == n && w.size(1) == width, name, " must be (", n, ", ", width,
@@ -113,7 +164,7 @@ at::Tensor cpu_sparse_mlp(const at::Tensor& x_in, const at::Tensor& w_a, const s
   const int act = activation_code(activation);
   TORCH_CHECK(x_in.dim() == 2, "x must be (batch, d), got ", x_in.sizes());
   const at::ScalarType dtype = x_in.scalar_type();
-  const at::Tensor x = fp32_input(x_in, "x");
+  const at::Tensor x = checked_input(x_in, "x");
   const int64_t nb = x.size(0), d = x.size(1), n = w_a.size(0), d_out = w_down_t.size(1);
   check_rows(w_a, "w_a", n, d, dtype);
   if (w_b.has_value()) check_rows(*w_b, "w_b", n, d, dtype);
@@ -135,13 +186,13 @@ at::Tensor cpu_sparse_mlp(const at::Tensor& x_in, const at::Tensor& w_a, const s
   const float* pb = bias_ptr(b_b, "b_b", n, dtype, keep_b);
   const float* pd = bias_ptr(b_down, "b_down", d_out, dtype, keep_d);
   const int threads = at::get_num_threads();
-  at::Tensor out = at::empty({nb, d_out}, x.options());
-  at::Tensor scratch = at::empty({threads * nb * d_out}, x.options());
-  dejavu_sparse_mlp(x.data_ptr<float>(), nb, d, d_out, weight_type(dtype), w_a.data_ptr(), w_a.stride(0),
+  KernelOutput out({nb, d_out}, dtype, out_buffer);
+  at::Tensor scratch = at::empty({threads * nb * d_out}, x.options().dtype(at::kFloat));
+  dejavu_sparse_mlp(fp32_values(x, x_buffer), nb, d, d_out, weight_type(dtype), w_a.data_ptr(), w_a.stride(0),
                     w_b.has_value() ? w_b->data_ptr() : nullptr, w_b.has_value() ? w_b->stride(0) : 0,
                     w_down_t.data_ptr(), w_down_t.stride(0), pa, pb, pd, ids, k, row_stride, act,
-                    out.data_ptr<float>(), scratch.data_ptr<float>(), threads, -1, -1);  // the default prefetch
-  return in_dtype(out, dtype);
+                    out.data, scratch.data_ptr<float>(), threads, -1, -1);  // the default prefetch
+  return out.rounded();
 }
 
 // Ids of the k largest of s[0..n) (of |s| with magnitude), ascending (NaN counts as the largest,
@@ -245,22 +296,23 @@ at::Tensor cpu_linear(const at::Tensor& x_in, const at::Tensor& w, const std::op
   const bool rows_layout = w.stride(1) == 1, transposed = w.stride(0) == 1 && !rows_layout;
   if (!one_dtype || !cpu || rows > kMaxGemvRows || rows == 0 || n == 0 || !(rows_layout || transposed))
     return at::linear(x_in, w, b);
-  const at::Tensor x = fp32_input(x_in, "x");
+  const at::Tensor x = checked_input(x_in, "x");
   at::Tensor keep_b;
   const float* pb = bias_ptr(b, "b", n, dtype, keep_b);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
-  at::Tensor out = at::empty(shape, x.options());
+  KernelOutput out(shape, dtype, out_buffer);
+  const float* px = fp32_values(x, x_buffer);
   const int threads = at::get_num_threads();
   if (rows_layout) {
-    dejavu_linear(x.data_ptr<float>(), rows, d, weight_type(dtype), w.data_ptr(), w.stride(0), n, pb,
-                  out.data_ptr<float>(), threads, dejavu_tuning.linear_prefetch_rows);
+    dejavu_linear(px, rows, d, weight_type(dtype), w.data_ptr(), w.stride(0), n, pb, out.data, threads,
+                  dejavu_tuning.linear_prefetch_rows);
   } else {
-    at::Tensor scratch = at::empty({threads * rows * n}, x.options());
-    dejavu_linear_t(x.data_ptr<float>(), rows, d, weight_type(dtype), w.data_ptr(), w.stride(1), n, pb,
-                    out.data_ptr<float>(), scratch.data_ptr<float>(), threads);
+    at::Tensor scratch = at::empty({threads * rows * n}, x.options().dtype(at::kFloat));
+    dejavu_linear_t(px, rows, d, weight_type(dtype), w.data_ptr(), w.stride(1), n, pb, out.data,
+                    scratch.data_ptr<float>(), threads);
   }
-  return in_dtype(out, dtype);
+  return out.rounded();
 }
 
 at::Tensor cpu_q8_linear(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales,
@@ -277,19 +329,19 @@ at::Tensor cpu_q8_linear(const at::Tensor& x_in, const at::Tensor& q, const at::
   TORCH_CHECK(group % 32 == 0 && group <= 256, "cpu_q8_linear: groups of a multiple of 32 up to 256 weights, got ",
               group);
   const at::ScalarType dtype = x_in.scalar_type();
-  const at::Tensor x = fp32_input(x_in, "x");
+  const at::Tensor x = checked_input(x_in, "x");
   at::Tensor keep_b;
   const float* pb = bias_ptr(b, "b", n, dtype, keep_b);
   const int64_t rows = x.numel() / d;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
-  at::Tensor out = at::empty(shape, x.options());
-  if (rows == 0 || n == 0) return in_dtype(out, dtype);
+  KernelOutput out(shape, dtype, out_buffer);
+  if (rows == 0 || n == 0) return out.result;
   at::Tensor x_int16 = at::empty({rows, d}, x.options().dtype(at::kShort));
-  at::Tensor x_scale = at::empty({rows}, x.options());
-  dejavu_q8_linear(x.data_ptr<float>(), rows, d, q.data_ptr<int8_t>(), n, scales.data_ptr<float>(), group, pb,
-                   out.data_ptr<float>(), x_int16.data_ptr<int16_t>(), x_scale.data_ptr<float>(), at::get_num_threads());
-  return in_dtype(out, dtype);
+  at::Tensor x_scale = at::empty({rows}, x.options().dtype(at::kFloat));
+  dejavu_q8_linear(fp32_values(x, x_buffer), rows, d, q.data_ptr<int8_t>(), n, scales.data_ptr<float>(), group, pb,
+                   out.data, x_int16.data_ptr<int16_t>(), x_scale.data_ptr<float>(), at::get_num_threads());
+  return out.rounded();
 }
 
 at::Tensor cpu_screened_linear(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& w_int8,
