@@ -164,6 +164,14 @@ def test_quantized_model_compiles_and_decodes_as_eager():
     assert torch.equal(got, expected)
     assert reports and all(any("cpu_q8_linear" in str(n.target) for n in r.graph.graph.nodes)
                            for r in reports)
+    # asked for sparsity, the int8 blocks stay dense and the report says so
+    reports.clear()
+    with torch.no_grad():
+        torch.compile(model, backend="dejavu", options={"mlp_density": 0.6, "on_report": reports.append})(
+            ids[:, :1], use_cache=False)
+    torch._dynamo.reset()
+    assert not reports[-1].rewritten
+    assert any(where == "int8 projections" and "15 projections" in why for where, why in reports[-1].match.fallbacks)
 
 
 def test_quantize_weights_reports_what_it_keeps_and_refuses_bad_arguments():
