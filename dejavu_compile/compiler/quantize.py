@@ -9,7 +9,9 @@ per row, integer products summed per group, groups scaled and summed in fp32, th
 dtype. The op is a graph node like any other, so ``torch.compile`` (the dejavu backend or
 Inductor) calls it straight from the compiled step.
 
-Inference only (the op has no backward); CPU only. A projection whose input width is not a
+Inference only (the op has no backward); CPU only. The model's ``state_dict`` then holds each
+projection's ``qweight`` and ``scales`` in place of its ``weight``: quantize after loading a
+checkpoint, not before. A projection whose input width is not a
 multiple of ``group_size`` keeps its float weight and is reported, as is any module that is not an
 ``nn.Linear`` (GPT-2's ``Conv1D``). A tied output head gets its own int8 copy; the token embedding
 it shares stays in float (it is read one row per token). Sparse plans do not yet apply to the
