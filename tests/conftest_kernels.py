@@ -18,6 +18,9 @@ from dejavu_compile.kernels import _common
 
 # Relative tolerance per dtype, applied to a bound on the magnitude of the summed terms.
 RTOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 6e-2}
+# Half a unit in the last place of each dtype, relative: the one rounding of a kernel's fp32 result
+# into a half-precision output.
+HALF_ULP = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
 
 @pytest.fixture

@@ -14,12 +14,11 @@ from dejavu_compile.compiler.passes.dense_linear import MAX_ROWS
 from dejavu_compile.compiler.passes.runner import dejavu_op_nodes
 from dejavu_compile.kernels.cpu import native
 from dejavu_compile.testing.tiny import tiny_model
+from tests.conftest_kernels import HALF_ULP
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(not native.load_ops(), reason=f"C++ ops unavailable: {native._OPS['error']}")
 EPS32 = torch.finfo(torch.float32).eps
-# Half a unit in the last place of each dtype, relative: the one rounding of a half-precision result.
-HALF_ULP = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
 
 def _reference(x, w, b, dtype=torch.float32):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 from tests.conftest_kernels import (
+    HALF_ULP,
     RTOL,
     act64,
     act_slope,
@@ -38,8 +39,6 @@ def sparse_mlp_op(p, activation, gated, stacked=False):
 
 
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
-# Half a unit in the last place of each dtype, relative: the one rounding of a half-precision result.
-HALF_ULP = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
 
 def assert_rounded_close(out, ref, bound, dtype, what):

@@ -13,12 +13,12 @@ from hypothesis import given, settings, strategies as st
 from dejavu_compile.compiler.quantize import GROUP_SIZES, Int8Linear, quantize_rows_grouped, quantize_weights
 from dejavu_compile.kernels.cpu import native
 from dejavu_compile.testing.tiny import tiny_model
+from tests.conftest_kernels import HALF_ULP
 from tests.helpers import token_ids
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(not native.load_ops(), reason=f"C++ ops unavailable: {native._OPS['error']}")
 EPS32 = torch.finfo(torch.float32).eps
-HALF_ULP = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
 
 @settings(max_examples=60, deadline=None)
