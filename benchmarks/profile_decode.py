@@ -4,8 +4,10 @@ graphs, and the plan with its projections left to Inductor).
 
     python benchmarks/profile_decode.py                 # the split below, per variant
     python benchmarks/profile_decode.py --layout        # does prepare_model slow dense?
+    python benchmarks/profile_decode.py --dtype bfloat16 # a bf16 model (Inductor dense, exact, default plan)
+    python benchmarks/profile_decode.py --weights int8   # quantize_weights(model, "int8") (dense, exact)
 
-For each variant (fp32, batch 1, static cache, 2 threads unless --threads; every variant compiled
+For each variant (fp32 unless --dtype/--weights, batch 1, static cache, 2 threads unless --threads; every variant compiled
 first, then timed once per round, rounds interleaved, medians): the decode step as ``generate()``
 runs it, the same compiled forward called in a plain loop over a 128-slot static cache (generate() allocates prompt + 33 slots, so the two differ by the loop's own cost and by the
 attention's cache length; ``benchmarks/peers.py`` measures the loop alone with ``greedy_decode``), and torch.profiler's self time of 16 plain steps grouped into weight
@@ -14,7 +16,7 @@ reading (projections and sparse MLP ops), attention, Dynamo's guards, the compil
 wrapper the profiler sees the backend's ops but not the aten ops the wrapper calls through
 Inductor's C shim (SDPA, mm): their time counts in the compiled graph's own code. The weight-streaming
 floor is the bytes a step reads over the machine's streaming rate, measured by the backend's GEMV
-over every weight of the model. ``--layout`` instead decodes with Inductor dense on two copies of the
+over every weight of the model in its format (``cpu_linear``, or ``cpu_q8_linear`` for int8 weights). ``--layout`` instead decodes with Inductor dense on two copies of the
 model, as loaded and after ``prepare_model`` (down/o projections stored transposed), interleaved.
 """
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 CATEGORIES = {  # profiler event name -> category; the rest is "other"
     "aten::mm": "weights: projections", "aten::addmm": "weights: projections", "aten::linear": "weights: projections",
     "dejavu::cpu_linear": "weights: projections", "dejavu::cpu_screened_linear": "weights: projections",
+    "dejavu::cpu_q8_linear": "weights: projections",
     "dejavu::cpu_glu_int8_mlp": "weights: sparse MLP ops",
     "dejavu::cpu_sparse_mlp": "weights: sparse MLP ops", "dejavu::cpu_glu_int8_topk": "weights: sparse MLP ops",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)",
@@ -49,6 +52,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--layout", action="store_true")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--weights", default="float", choices=["float", "int8"],
+                    help="int8: dejavu_compile.quantize_weights(model, 'int8') after the cast")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -80,15 +86,21 @@ def main(argv=None) -> int:
         return 0
 
     plan = load_or_calibrate(model, tok, _default_plan_dir(model, BUNDLED))
+    model.to(getattr(torch, args.dtype))  # the plan was calibrated on the fp32 weights this rounds
     prepare_model(model)
+    if args.weights == "int8":
+        from dejavu_compile.compiler.quantize import quantize_weights
+
+        print(quantize_weights(model, "int8"))
+        plan = None  # sparse plans do not reach int8 projections
     rate = streaming_rate(model)
-    # SmolLM2's output head is its embedding: a dense step reads every parameter once
-    dense_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    dense_bytes = step_weight_bytes(model)
+    print(f"format: {args.dtype}, {args.weights} weights; a dense step reads {dense_bytes / 1e6:.0f} MB of weights")
     print(f"streaming rate (the backend's GEMV over every weight): {rate / 1e9:.1f} GB/s")
     print("under the C++ wrapper, SDPA and other aten ops count in the compiled graph's own code (the profiler "
           "does not see Inductor's C shim calls)")
     python_wrapper = {"inductor_config": {"cpp_wrapper": False}}  # Inductor's Python wrapper between kernels
-    plan_bytes = dense_bytes / bandwidth_bound(model, plan)
+    plan_bytes = dense_bytes / bandwidth_bound(model, plan) if plan is not None else None
     variants = {"Inductor dense": (compiled_forward("inductor"), dense_bytes),
                 "dejavu exact, Python wrapper": (compiled_forward("dejavu", options=python_wrapper), dense_bytes),
                 "dejavu exact": (compiled_forward("dejavu"), dense_bytes),
@@ -100,6 +112,9 @@ def main(argv=None) -> int:
                 "dejavu default plan, aten projections, Python wrapper": (
                     compiled_forward("dejavu", options={"plan": plan, "dense_lowering": "aten", **python_wrapper}),
                     plan_bytes)}
+    if args.dtype != "float32" or args.weights != "float":  # the fp32 profile answers the wrapper questions
+        keep = ("Inductor dense", "dejavu exact") + (("dejavu default plan",) if plan is not None else ())
+        variants = {name: variants[name] for name in keep}
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, 8 * len(variants))
     original = model.forward
@@ -128,20 +143,42 @@ def main(argv=None) -> int:
     return 0
 
 
+def _step_weights(model) -> list[tuple]:
+    """The weights a dense decode step reads, once each: (weight,) of every linear and the output head
+    (SmolLM2's is its embedding), (qweight, scales) of every int8 projection."""
+    from dejavu_compile.compiler.quantize import Int8Linear
+
+    found = {}
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            found[id(module.qweight)] = (module.qweight, module.scales)
+        elif isinstance(module, torch.nn.Linear):
+            found[id(module.weight)] = (module.weight,)
+    return list(found.values())
+
+
+def step_weight_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for weights in _step_weights(model) for t in weights)
+
+
 def streaming_rate(model) -> float:
-    """Bytes per second the backend's GEMV reads the model's weight matrices at (median of 7)."""
+    """Bytes per second the backend's GEMV reads the model's weight matrices at, each in its format
+    (median of 7)."""
     from dejavu_compile.kernels.cpu import native
 
     native.load_ops()
-    mats = [p.detach() for p in {id(p): p for p in model.parameters()}.values() if p.dim() == 2]
-    xs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in mats}
+    calls = []
+    for weights in _step_weights(model):
+        x = torch.randn(1, weights[0].shape[1], dtype=model.dtype)
+        op = torch.ops.dejavu.cpu_q8_linear if len(weights) == 2 else torch.ops.dejavu.cpu_linear
+        calls.append((op, (x, *(w.detach() for w in weights))))
     times = []
     for _ in range(8):
         start = time.perf_counter()
-        for w in mats:
-            torch.ops.dejavu.cpu_linear(xs[w.shape[1]], w)
+        for op, call_args in calls:
+            op(*call_args)
         times.append(time.perf_counter() - start)
-    return sum(w.numel() * 4 for w in mats) / statistics.median(times[1:])
+    return step_weight_bytes(model) / statistics.median(times[1:])
 
 
 def _static_decoder(model, ids):

@@ -16,6 +16,7 @@
    defines) and called through ctypes; cpu_ops.cpp includes this file for the C++ ops.
    It links against the OpenMP runtime torch has already loaded, so both share one thread pool. */
 #include <immintrin.h>
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -382,15 +383,21 @@ static inline int32_t dot_i8(const int8_t *restrict w, const int16_t *restrict x
    (x ~= x_q / scale), NaN when x holds a NaN or an infinity. The rounding error is under 2^-12 of
    max|x| for d <= 4096, far below the int8 weights' own. */
 static float quantize_x_bits(const float *x, int64_t d, int bits, int16_t *xq) {
+    /* written so that gcc vectorises both loops (fmaxf, isfinite and lrintf keep them scalar) */
     float m = 0.0f;
-    int finite = 1;
+    int bad = 0;
     for (int64_t i = 0; i < d; i++) {
-        finite &= isfinite(x[i]) != 0;
-        m = fmaxf(m, fabsf(x[i]));
+        const float a = fabsf(x[i]);
+        bad |= !(a <= FLT_MAX);
+        m = a > m ? a : m;
     }
-    const float scale = finite && m > 0.0f ? (float)((1 << bits) - 1) / m : 0.0f;
-    for (int64_t i = 0; i < d; i++) xq[i] = (int16_t)lrintf(finite ? x[i] * scale : 0.0f);
-    return !finite ? NAN : (m > 0.0f ? 1.0f / scale : 0.0f);
+    if (bad) {
+        memset(xq, 0, sizeof(int16_t) * d);
+        return NAN;
+    }
+    const float scale = m > 0.0f ? (float)((1 << bits) - 1) / m : 0.0f;
+    for (int64_t i = 0; i < d; i++) xq[i] = (int16_t)rintf(x[i] * scale);  /* |x scale| <= 2^bits - 1 */
+    return m > 0.0f ? 1.0f / scale : 0.0f;
 }
 
 static float quantize_x(const float *x, int64_t d, int16_t *xq) {
@@ -455,24 +462,41 @@ void dejavu_glu_int8_scores_f32(const float *x, int64_t nb, int64_t d, const int
    int16 per row at 15 bits (one group's int32 sum stays below 127 * 32767 * 256 < 2^31), each
    group's integer dot product is scaled in fp32, and the groups are summed in fp32 vector lanes
    (one horizontal sum per row). The weight bytes are the int8 values plus 4 / group per weight. */
+#if defined(DEJAVU_INT8_LANES) && defined(DEJAVU_VEC) && DEJAVU_VEC * 2 == DEJAVU_INT8_LANES
+#if defined(__AVX512BW__)
+typedef __m512i ivec_t;
+#define ivzero() _mm512_setzero_si512()
+#define ivto_ps(v) _mm512_cvtepi32_ps(v)
+#else
+typedef __m256i ivec_t;
+#define ivzero() _mm256_setzero_si256()
+#define ivto_ps(v) _mm256_cvtepi32_ps(v)
+#endif
+/* One group's integer products as fp32 lanes. */
+static inline vec_t group_q8(const int8_t *restrict w, const int16_t *restrict x, int64_t group) {
+    ivec_t sum = ivzero();
+    for (int64_t i = 0; i < group; i += DEJAVU_INT8_LANES) DEJAVU_MADD(sum, w + i, x + i);
+    return ivto_ps(sum);
+}
+#endif
+
+/* sum over groups g of scales[g] * (w . x over group g): four groups per pass into four fp32 chains
+   held in named registers (an accumulator array indexed by the group number is kept in memory by
+   the compiler, and its store-to-load latency halved the in-cache rate). */
 static inline float dot_q8_groups(const int8_t *restrict w, const int16_t *restrict x, const float *restrict scales,
                                   int64_t d, int64_t group) {
     float s = 0.0f;
 #if defined(DEJAVU_INT8_LANES) && defined(DEJAVU_VEC) && DEJAVU_VEC * 2 == DEJAVU_INT8_LANES
-    vec_t acc[2] = {vzero(), vzero()};  /* alternate groups: two fma chains in flight */
-    for (int64_t g0 = 0, g = 0; g0 < d; g0 += group, g++) {
-#if defined(__AVX512BW__)
-        __m512i sum = _mm512_setzero_si512();
-        for (int64_t i = g0; i < g0 + group; i += DEJAVU_INT8_LANES) DEJAVU_MADD(sum, w + i, x + i);
-        const vec_t partial = _mm512_cvtepi32_ps(sum);
-#else
-        __m256i sum = _mm256_setzero_si256();
-        for (int64_t i = g0; i < g0 + group; i += DEJAVU_INT8_LANES) DEJAVU_MADD(sum, w + i, x + i);
-        const vec_t partial = _mm256_cvtepi32_ps(sum);
-#endif
-        acc[g & 1] = vfma(partial, vset1(scales[g]), acc[g & 1]);
+    vec_t a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+    int64_t g0 = 0, g = 0;
+    for (; g0 + 4 * group <= d; g0 += 4 * group, g += 4) {
+        a0 = vfma(group_q8(w + g0, x + g0, group), vset1(scales[g]), a0);
+        a1 = vfma(group_q8(w + g0 + group, x + g0 + group, group), vset1(scales[g + 1]), a1);
+        a2 = vfma(group_q8(w + g0 + 2 * group, x + g0 + 2 * group, group), vset1(scales[g + 2]), a2);
+        a3 = vfma(group_q8(w + g0 + 3 * group, x + g0 + 3 * group, group), vset1(scales[g + 3]), a3);
     }
-    s = vsum(vadd(acc[0], acc[1]));
+    for (; g0 < d; g0 += group, g++) a0 = vfma(group_q8(w + g0, x + g0, group), vset1(scales[g]), a0);
+    s = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
 #else
     for (int64_t g0 = 0, g = 0; g0 < d; g0 += group, g++) {
         int32_t sum = 0;
