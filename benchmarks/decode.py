@@ -54,8 +54,8 @@ PREDICTORS = {"lowrank": {"predictor": "lowrank"}, "int8": {"predictor": "int8",
 def synthetic_int8_plan(model, density: float):
     """The default plan's method on random weights: each MLP's own gate/up rows in int8, kept
     neurons' values from them (speed only)."""
-    from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan, model_fingerprint
     from dejavu_compile.plan.predictors.glu_int8 import int8_glu_predictor
+    from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan, model_fingerprint
 
     entries = {}
     for layer, block in enumerate(model.model.layers):
@@ -71,15 +71,15 @@ def _heads(attn_density: float) -> str:
 
 
 def run_smollm2(args, report):
-    from dejavu_compile.evaluation.bench import Variant, compiled_forward, measure_decode
-    from dejavu_compile.calibration.calibrate import DEFAULT_MAX_TOKENS, DEFAULT_SEQ_LEN, calibrate
-    from dejavu_compile.cli import DEMO_PROMPT
-    from dejavu_compile.evaluation.bandwidth import bandwidth_bound
-    from dejavu_compile.calibration.collect import collect
     from dejavu_compile.assets.data import news_texts, tokenize_chunks, wiki_articles
-    from dejavu_compile.evaluation.perplexity import perplexity
     from dejavu_compile.assets.models import load_smollm2
+    from dejavu_compile.calibration.calibrate import DEFAULT_MAX_TOKENS, DEFAULT_SEQ_LEN, calibrate
+    from dejavu_compile.calibration.collect import collect
+    from dejavu_compile.cli import DEMO_PROMPT
     from dejavu_compile.compiler.prepare import prepare_model
+    from dejavu_compile.evaluation.bandwidth import bandwidth_bound
+    from dejavu_compile.evaluation.bench import Variant, compiled_forward, measure_decode
+    from dejavu_compile.evaluation.perplexity import perplexity
 
     model, tok = load_smollm2()
     samples, _ = collect(model, tokenize_chunks(tok, wiki_articles("calibration"), DEFAULT_SEQ_LEN, DEFAULT_MAX_TOKENS),
@@ -99,14 +99,15 @@ def run_smollm2(args, report):
         for name, plan in plans.items():
             label = name if lowering == "auto" else f"{name} [{lowering}]"
             lowering_of[label] = (name, lowering)
-            variants.append(Variant(label, compiled_forward("dejavu", options={"plan": plan, "cpu_lowering": lowering})))
+            options = {"plan": plan, "cpu_lowering": lowering}
+            variants.append(Variant(label, compiled_forward("dejavu", options=options)))
     speed = measure_decode(model, ids, variants, new_tokens=args.new_tokens, repeats=args.repeats)
     quality = {}
     base = speed["Inductor dense"]["tokens_per_s"]
     rows = []
     for name, row in speed.items():
-        entry = {"variant": name, "tokens_per_s": row["tokens_per_s"], "speedup_vs_inductor": row["tokens_per_s"] / base,
-                 "runs": row["runs"]}
+        entry = {"variant": name, "tokens_per_s": row["tokens_per_s"],
+                 "speedup_vs_inductor": row["tokens_per_s"] / base, "runs": row["runs"]}
         if name in lowering_of:
             plan_name, lowering = lowering_of[name]
             plan = plans[plan_name]
@@ -149,9 +150,9 @@ def run_synthetic(args, report):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from dejavu_compile import dejavu_backend
-    from dejavu_compile.evaluation.bench import Variant, compiled_forward, measure_decode
-    from dejavu_compile.evaluation.bandwidth import bandwidth_bound
     from dejavu_compile.compiler.prepare import prepare_model
+    from dejavu_compile.evaluation.bandwidth import bandwidth_bound
+    from dejavu_compile.evaluation.bench import Variant, compiled_forward, measure_decode
 
     shape = SYNTHETIC_SHAPES[args.synthetic_shape]
     config = AutoConfig.for_model("llama", num_hidden_layers=args.synthetic_layers, vocab_size=32000,
@@ -208,7 +209,8 @@ def plot(report, path):
     labels = {"lowrank": "low-rank predictor", "int8": "int8 predictor, its values",
               "int8-exact": "int8 predictor, exact values"}
     for method in dict.fromkeys(r.get("method", r.get("predictor")) for r in rows):
-        mine = sorted((r for r in rows if r.get("method", r.get("predictor")) == method), key=lambda r: r["mlp_density"])
+        mine = sorted((r for r in rows if r.get("method", r.get("predictor")) == method),
+                      key=lambda r: r["mlp_density"])
         ax.plot([100 * r["ppl_increase"] for r in mine], [r["speedup_vs_inductor"] for r in mine], "o-",
                 label=f"dejavu, {labels.get(method, method)}")
     for r in rows:
@@ -235,7 +237,8 @@ def main(argv=None) -> int:
     ap.add_argument("--attn-density", type=float, default=1.0,
                     help="share of query heads kept (head predictors trained by calibration; 1.0: attention dense)")
     ap.add_argument("--cpu-lowering", nargs="+", default=["auto"], choices=["auto", "native", "op", "decomposed"],
-                    help="CPU sparse-MLP lowerings to compare (auto = decomposed under Inductor; op: the custom op, its C kernel)")
+                    help="CPU sparse-MLP lowerings to compare "
+                         "(auto = decomposed under Inductor; op: the custom op, its C kernel)")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--eval-tokens", type=int, default=4096)
@@ -246,7 +249,8 @@ def main(argv=None) -> int:
     ap.add_argument("--synthetic-shape", choices=list(SYNTHETIC_SHAPES), default="1b")
     ap.add_argument("--device", default="cpu", help="device of the synthetic model (SmolLM2 runs on CPU)")
     ap.add_argument("--dtype", default="float32", help="dtype of the synthetic model")
-    ap.add_argument("--mode", default=None, help="torch.compile mode for the synthetic run (reduce-overhead: CUDA graphs)")
+    ap.add_argument("--mode", default=None,
+                    help="torch.compile mode for the synthetic run (reduce-overhead: CUDA graphs)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode.json)")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)

@@ -35,8 +35,9 @@ def _use_tree(tree: str):
     sys.path.insert(0, str(pathlib.Path(tree).resolve()))
     for name in [m for m in sys.modules if m == "dejavu_compile" or m.startswith("dejavu_compile.")]:
         del sys.modules[name]
-    import dejavu_compile
     import torch
+
+    import dejavu_compile
 
     # backend="dejavu" inside the tree (its perplexity) must mean this tree's backend, not the
     # installed package's entry point

@@ -1,19 +1,19 @@
 """Dense vs sparse decode kernels (batch 1): median times, speedup, efficiency = speedup x density.
 
-    python benchmarks/kernels.py [--quick] [--shapes llama7b smollm2] [--threads N] [--ops mlp attention bounds]
+    python benchmarks/kernels.py [--quick] [--shapes llama7b smollm2] [--threads N] [--ops mlp bounds]
     THP_MEM_ALLOC_ENABLE=0 python benchmarks/kernels.py ...   # without transparent huge pages
     DEJAVU_CFLAGS=-mno-avx512f python benchmarks/kernels.py ...   # the AVX2 paths of an AVX-512 CPU
     python benchmarks/kernels.py --cpu-paths native torch --prefetch-sweep   # CPU MLP paths, prefetch settings
 
-CPU: fp32, dense = the torch ops a decoder runs (MLP: three F.linear; attention: q F.linear,
-RoPE, SDPA over the cache, o F.linear), sparse = the dejavu ops (efficiency also against the backend's own dense path, its GEMV op, column
-"GEMV"); the sparse MLP op runs through
+CPU: fp32, dense = the torch ops a decoder's MLP runs (three F.linear), sparse = the dejavu ops
+(efficiency also against the backend's own dense path, its GEMV op, column "GEMV"); the sparse MLP
+op runs through
 each CPU path: "native" (the C kernel fp32 calls take, rows ``gated_mlp``), "c++" (the same kernel
 through the C++-registered op decode graphs call, rows ``gated_mlp/c++``) and "torch" (the
 Inductor-fused gather-GEMV + embedding_bag, rows ``gated_mlp/torch``). CUDA (auto-detected): fp16, dense
 on cuBLAS, sparse = the Triton kernels (autotuned), both timed as CUDA-graph replays (kernel time,
 no launch overhead). Efficiency 1.0 means the sparse op reaches the bandwidth limit (time scales
-with the bytes it reads). K/V projections are dense in both and left out. Each sparse MLP row also
+with the bytes it reads). Each sparse MLP row also
 reports its error against a masked dense fp32 reference.
 
 Caches: decode reads every layer's weights once per token, so nothing stays cached between two
@@ -36,21 +36,19 @@ import platform
 import statistics
 import sys
 import time
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
-from unittest import mock
-
 from dejavu_compile.evaluation.bench import cpu_info
+from dejavu_compile.kernels import prepare_gated_mlp_weights, sparse_gated_mlp
 from dejavu_compile.kernels.cpu import native
 from dejavu_compile.kernels.torch_impl import _FUSED, gather_activate, gather_gemv
-from dejavu_compile.kernels import (prepare_attention_weights, prepare_gated_mlp_weights,
-                                    sparse_gated_mlp, sparse_head_attention)
 
 SHAPES = {
-    "llama7b": dict(d=4096, ff=11008, heads=32, kv_heads=32, head_dim=64),
-    "smollm2": dict(d=576, ff=1536, heads=9, kv_heads=3, head_dim=64),
+    "llama7b": dict(d=4096, ff=11008),
+    "smollm2": dict(d=576, ff=1536),
 }
 DENSITIES = (0.05, 0.1, 0.25, 0.5, 0.75)
 CACHE_BYTES = 512 << 20  # cycle through more weight bytes than this (above the 260 MiB LLC here)
@@ -100,7 +98,8 @@ def interleaved(timer, dense, sparse, reps, copies):
     On CUDA each timing is one graph replay of GRAPH_CALLS calls over the copies, per call."""
     if timer.cuda:
         calls = copies * max(1, GRAPH_CALLS // copies)
-        gd, gs = graphed(lambda j: dense(j % copies), calls), graphed(lambda j: sparse((j + copies // 2) % copies), calls)
+        gd = graphed(lambda j: dense(j % copies), calls)
+        gs = graphed(lambda j: sparse((j + copies // 2) % copies), calls)
         td, ts = [], []
         for i in range(reps + 2):
             d, s = timer(gd.replay) / calls, timer(gs.replay) / calls
@@ -184,7 +183,8 @@ def bench_cpu_paths(shape, dtype, device, reps, densities, timer, paths):
             continue
         op = sparse_gated_mlp
         if path == "c++":
-            op = lambda x, wg, wu, wdt, idx, act: torch.ops.dejavu.cpu_sparse_mlp(x, wg, wu, wdt, idx, act)
+            def op(x, wg, wu, wdt, idx, act):
+                return torch.ops.dejavu.cpu_sparse_mlp(x, wg, wu, wdt, idx, act)
         with mock.patch.dict(native._STATE, enabled=path != "torch"):
             label = {"native": "gated_mlp", "c++": "gated_mlp/c++", "torch": "gated_mlp/torch"}[path]
             rows += bench_mlp(shape, dtype, device, reps, densities, timer, label, op)
@@ -217,50 +217,6 @@ def mlp_error(x, p, idx, op):
     return ((out - ref).abs().max() / ref.abs().max()).item()
 
 
-def rope(q, cos, sin):
-    h = q.shape[-1] // 2
-    return q * cos + torch.cat([-q[..., h:], q[..., :h]], -1) * sin
-
-
-def bench_attention(shape, dtype, device, reps, densities, timer, t_ctx=512):
-    hidden, h, hkv, hd = shape["d"], shape["heads"], shape["kv_heads"], shape["head_dim"]
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    layer_bytes = (2 * h * hd * hidden + 2 * hkv * t_ctx * hd) * torch.finfo(dtype).bits // 8
-    layers = []
-    for _ in range(n_copies(layer_bytes)):
-        wq = torch.randn(h * hd, hidden, generator=gen).div_(hidden ** 0.5).to(device, dtype)
-        wo = torch.randn(hidden, h * hd, generator=gen).div_(hidden ** 0.5).to(device, dtype)
-        p = prepare_attention_weights(wq, wo)
-        p["k"] = torch.randn(1, hkv, t_ctx, hd, generator=gen).to(device, dtype)
-        p["v"] = torch.randn(1, hkv, t_ctx, hd, generator=gen).to(device, dtype)
-        layers.append(p)
-    x = torch.randn(1, hidden, generator=gen).to(device, dtype)
-    pos = torch.tensor([[t_ctx - 1.0]])
-    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
-    emb = torch.cat([pos * inv, pos * inv], -1)
-    cos, sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
-
-    def dense(i):
-        p = layers[i]
-        q = rope(F.linear(x, p["dense"]["w_q"]).view(1, h, 1, hd), cos, sin)
-        o = F.scaled_dot_product_attention(q, p["k"], p["v"], enable_gqa=True)
-        return F.linear(o.reshape(1, h * hd), p["dense"]["w_o"])
-
-    rows = []
-    for k in sorted({max(1, round(dens * h)) for dens in densities}):  # 9 heads: 0.05 and 0.1 -> 1
-        pool = [torch.randperm(h, generator=gen)[:k].sort().values.to(device) for _ in range(POOL)]
-        calls = [0]
-
-        def sparse(i):
-            calls[0] += 1
-            p = layers[i]
-            return sparse_head_attention(x, p["w_q"], None, p["k"], p["v"], p["w_o_t"], None,
-                                         pool[calls[0] % POOL], cos, sin, None, None, hd ** -0.5, hd)
-
-        rows.append(summarize("head_attention", k, h, *interleaved(timer, dense, sparse, reps, len(layers))))
-    return rows
-
-
 def bench_bounds(shape, dtype, device, reps, densities, timer):
     """GB/s of the building blocks on cold weights (bytes of the selected rows / time): dense GEMV;
     a plain row gather (index_select copy); the gate/up part as the Inductor-fused gather-GEMV and as
@@ -272,7 +228,8 @@ def bench_bounds(shape, dtype, device, reps, densities, timer):
     mats = [torch.randn(ff, d, generator=gen).to(device, dtype) for _ in range(n_copies(mat_bytes))]
     x = torch.randn(1, d, generator=gen).to(device, dtype)
     out = {}
-    med = lambda fn: statistics.median([timer(lambda: fn(i)) for i in range(reps + 2)][2:])
+    def med(fn):
+        return statistics.median([timer(lambda i=i: fn(i)) for i in range(reps + 2)][2:])
     out["dense_gemv_GBps"] = mat_bytes / med(lambda i: F.linear(x, mats[i % len(mats)])) / 1e9
     fused = (torch.compile(gather_activate, dynamic=True, fullgraph=True)
              if _FUSED["enabled"] and device.type == "cpu" else None)
@@ -283,7 +240,8 @@ def bench_bounds(shape, dtype, device, reps, densities, timer):
         h = torch.randn(k, generator=gen).to(device, dtype)
         offs = torch.arange(0, k, -(-k // (2 * torch.get_num_threads())), device=device)
         sel = mat_bytes * k / ff
-        out[f"row_gather_GBps@{dens}"] = sel / med(lambda i: torch.index_select(mats[i % len(mats)], 0, pool[i % POOL], out=buf)) / 1e9
+        out[f"row_gather_GBps@{dens}"] = sel / med(
+            lambda i: torch.index_select(mats[i % len(mats)], 0, pool[i % POOL], out=buf)) / 1e9
         pre = torch.empty(k, 1, 1, dtype=dtype, device=device)
         out[f"chunked_gather_gemv_GBps@{dens}"] = sel / med(
             lambda i: gather_gemv([mats[i % len(mats)]], pool[i % POOL], x.t(), pre)) / 1e9
@@ -291,7 +249,8 @@ def bench_bounds(shape, dtype, device, reps, densities, timer):
             out[f"fused_gather_gemv_GBps@{dens}"] = sel / med(
                 lambda i: fused(x, mats[i % len(mats)], None, pool[i % POOL][None], None, None, "relu")) / 1e9
         out[f"embedding_bag_GBps@{dens}"] = sel / med(
-            lambda i: F.embedding_bag(pool[i % POOL], mats[i % len(mats)], offs, mode="sum", per_sample_weights=h)) / 1e9
+            lambda i: F.embedding_bag(pool[i % POOL], mats[i % len(mats)], offs, mode="sum",
+                                      per_sample_weights=h)) / 1e9
     return out
 
 
@@ -332,13 +291,14 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few repetitions, LLaMA MLP at 0.1/0.5 only + SmolLM2")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--ops", nargs="+", default=["mlp", "attention", "bounds"], choices=["mlp", "attention", "bounds"])
+    ap.add_argument("--ops", nargs="+", default=["mlp", "bounds"], choices=["mlp", "bounds"])
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     ap.add_argument("--cpu-paths", nargs="+", default=["native", "c++", "torch"], choices=["native", "c++", "torch"],
                     help="CPU sparse MLP paths to measure (native: the public op, C kernel; c++: the same kernel "
                          "through the backend's C++ op; torch: Inductor-fused)")
     ap.add_argument("--prefetch-sweep", action="store_true", help="also sweep the C kernel's prefetch settings")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<device>-t<threads>.json)")
+    ap.add_argument("--out", default=None,
+                    help="JSON path (default benchmarks/results/kernels-<device>-t<threads>.json)")
     ap.add_argument("--plot", nargs="+", metavar="JSON", help="only plot these results files (to --out, a .png)")
     args = ap.parse_args(argv)
     if args.plot:
@@ -374,7 +334,6 @@ def main(argv=None):
         if "mlp" in args.ops:
             rows = (bench_cpu_paths(shape, dtype, device, reps, densities, timer, args.cpu_paths)
                     if device.type == "cpu" else bench_mlp(shape, dtype, device, reps, densities, timer))
-        rows += bench_attention(shape, dtype, device, reps, densities, timer) if "attention" in args.ops else []
         bounds = (bench_bounds(shape, dtype, device, reps, densities, timer)
                   if device.type == "cpu" and "bounds" in args.ops else {})
         result["shapes"][name] = dict(shape=shape, rows=rows, bounds=bounds)
@@ -391,7 +350,8 @@ def main(argv=None):
                   + (f"{r['dense_gemv_ms']:>10.3f}{r['efficiency_vs_gemv']:>8.2f}" if "dense_gemv_ms" in r else ""))
         for key, val in bounds.items():
             print(f"  {key}: {val:.1f}")
-    path = args.out or os.path.join(os.path.dirname(__file__), "results", f"kernels-{device.type}-t{torch.get_num_threads()}.json")
+    name = f"kernels-{device.type}-t{torch.get_num_threads()}.json"
+    path = args.out or os.path.join(os.path.dirname(__file__), "results", name)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     result["machine"]["loadavg_at_end"] = os.getloadavg()
     print(f"# load average at end: {os.getloadavg()}")

@@ -20,7 +20,13 @@ import time
 
 import torch
 
-from dejavu_compile.experiments.quality import SIM_LABEL, add_harness_arguments, increases, oracle_selector, smollm2_harness
+from dejavu_compile.experiments.quality import (
+    SIM_LABEL,
+    add_harness_arguments,
+    increases,
+    oracle_selector,
+    smollm2_harness,
+)
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -66,7 +72,8 @@ def main(argv=None) -> int:
     harness = smollm2_harness(args.calib_tokens, args.eval_tokens)
     model, samples, sets, dense = harness.model, harness.samples, harness.sets, harness.dense
     total = samples[0].mlp_importance.shape[1]
-    orders = {(b, layer): coactivation_order(s.mlp_importance.float(), b) for b in args.blocks for layer, s in samples.items()}
+    orders = {(b, layer): coactivation_order(s.mlp_importance.float(), b)
+              for b in args.blocks for layer, s in samples.items()}
 
     rows = []
 

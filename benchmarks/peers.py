@@ -159,7 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=list(LLAMA_CPP_FORMAT),
                     help="the model's dtype (llama.cpp runs the same format beside Q8_0)")
     ap.add_argument("--weights", default="float", choices=["float", "int8"],
-                    help="int8: dejavu_compile.quantize_weights(model, 'int8') after the cast (llama.cpp's Q8_0 beside it)")
+                    help="int8: dejavu_compile.quantize_weights(model, 'int8') after the cast "
+                         "(llama.cpp's Q8_0 beside it)")
     ap.add_argument("--out", default=None, help="default benchmarks/results/peers.json (peers-bf16.json, ...)")
     args = ap.parse_args(argv)
     reference = "Q8_0" if args.weights == "int8" else LLAMA_CPP_FORMAT[args.dtype]
@@ -170,8 +171,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from tqdm.auto import tqdm
 
-    from dejavu_compile.cli import BUNDLED, DEMO_PROMPT, _default_plan_dir, load_or_calibrate, machine
     from dejavu_compile.assets.models import load_smollm2
+    from dejavu_compile.cli import BUNDLED, DEMO_PROMPT, _default_plan_dir, load_or_calibrate, machine
     from dejavu_compile.compiler.prepare import prepare_model
     from dejavu_compile.evaluation.bench import cpu_info
     from dejavu_compile.kernels.cpu import native

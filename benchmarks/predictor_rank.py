@@ -19,8 +19,14 @@ import time
 import torch
 
 from dejavu_compile.calibration.calibrate import calibrate
-from dejavu_compile.experiments.quality import (SIM_LABEL, add_harness_arguments, increases, oracle_selector, plan_selector,
-                                    smollm2_harness)
+from dejavu_compile.experiments.quality import (
+    SIM_LABEL,
+    add_harness_arguments,
+    increases,
+    oracle_selector,
+    plan_selector,
+    smollm2_harness,
+)
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 

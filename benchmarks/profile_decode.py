@@ -7,17 +7,20 @@ graphs, and the plan with its projections left to Inductor).
     python benchmarks/profile_decode.py --dtype bfloat16 # a bf16 model (Inductor dense, exact, default plan)
     python benchmarks/profile_decode.py --weights int8   # quantize_weights(model, "int8") (dense, exact)
 
-For each variant (fp32 unless --dtype/--weights, batch 1, static cache, 2 threads unless --threads; every variant compiled
-first, then timed once per round, rounds interleaved, medians): the decode step as ``generate()``
-runs it, the same compiled forward called in a plain loop over a 128-slot static cache (generate() allocates prompt + 33 slots, so the two differ by the loop's own cost and by the
-attention's cache length; ``benchmarks/peers.py`` measures the loop alone with ``greedy_decode``), and torch.profiler's self time of 16 plain steps grouped into weight
+For each variant (fp32 unless --dtype/--weights, batch 1, static cache, 2 threads unless --threads;
+every variant compiled first, then timed once per round, rounds interleaved, medians): the decode
+step as ``generate()`` runs it, the same compiled forward called in a plain loop over a 128-slot
+static cache (generate() allocates prompt + 33 slots, so the two differ by the loop's own cost and
+by the attention's cache length; ``benchmarks/peers.py`` measures the loop alone with
+``greedy_decode``), and torch.profiler's self time of 16 plain steps grouped into weight
 reading (projections and sparse MLP ops), attention, Dynamo's guards, the compiled graph's own code
 (Inductor's kernels and its wrapper) and the rest, scaled to the unprofiled step. Under the C++
 wrapper the profiler sees the backend's ops but not the aten ops the wrapper calls through
 Inductor's C shim (SDPA, mm): their time counts in the compiled graph's own code. The weight-streaming
 floor is the bytes a step reads over the machine's streaming rate, measured by the backend's GEMV
-over every weight of the model in its format (``cpu_linear``, or ``cpu_q8_linear`` for int8 weights). ``--layout`` instead decodes with Inductor dense on two copies of the
-model, as loaded and after ``prepare_model`` (down/o projections stored transposed), interleaved.
+over every weight of the model in its format (``cpu_linear``, or ``cpu_q8_linear`` for int8
+weights). ``--layout`` instead decodes with Inductor dense on two copies of the model, as loaded
+and after ``prepare_model`` (down/o projections stored transposed), interleaved.
 """
 from __future__ import annotations
 
@@ -224,8 +227,8 @@ def _profile_shares(model, ids) -> dict[str, float]:
     totals: dict[str, float] = {}
     for event in prof.key_averages():
         name = event.key
-        category = CATEGORIES.get(name, "compiled graph: kernels + wrapper" if name.startswith("## Call CompiledFxGraph")
-                                  else "other")
+        graph_code = name.startswith("## Call CompiledFxGraph")
+        category = CATEGORIES.get(name, "compiled graph: kernels + wrapper" if graph_code else "other")
         totals[category] = totals.get(category, 0.0) + event.self_cpu_time_total
     whole = sum(totals.values())
     return {k: v / whole for k, v in totals.items()}

@@ -23,7 +23,13 @@ import torch
 from dejavu_compile.calibration.calibrate import calibrate
 from dejavu_compile.evaluation.perplexity import perplexity as backend_perplexity
 from dejavu_compile.experiments.quality import (
-    SIM_LABEL, TealSelector, cats_selector, oracle_selector, perplexity, plan_selector, smollm2_harness,
+    SIM_LABEL,
+    TealSelector,
+    cats_selector,
+    oracle_selector,
+    perplexity,
+    plan_selector,
+    smollm2_harness,
 )
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -74,7 +80,8 @@ def main(argv=None) -> int:
             row[f"{name}_ppl"] = ppl
             row[f"{name}_increase"] = ppl / dense[name] - 1.0
         rows.append(row)
-        print(f"{method:24s} density {row.get('attn_density', density):.2f}  wiki {row['wiki_increase']:+7.2%}  news {row['news_increase']:+7.2%}", flush=True)
+        print(f"{method:24s} density {row.get('attn_density', density):.2f}  wiki {row['wiki_increase']:+7.2%}"
+              f"  news {row['news_increase']:+7.2%}", flush=True)
 
     builders = {}
     for method in args.methods:
@@ -130,7 +137,8 @@ def main(argv=None) -> int:
 
     # Default operating point: what `calibrate()` returns with its defaults (on CPU: the int8 predictor).
     default_plan = calibrate(model, tok, samples=samples, progress=False)
-    record("default_plan", default_plan.mlp_density, plan_selector(default_plan), {"collect_s": collect_s}, default_plan)
+    record("default_plan", default_plan.mlp_density, plan_selector(default_plan), {"collect_s": collect_s},
+           default_plan)
 
     # Per-layer recall/mass, with and without lookahead, at 0.5 (or the first density) if calibrated.
     per_layer = []
@@ -149,15 +157,16 @@ def main(argv=None) -> int:
                   f"{eb.stats['recall']:6.3f} {eb.stats['mass']:5.3f} | {ea.stats['oracle_mass']:.3f}")
 
     # Table
-    print(f"\nHeld-out perplexity increase vs dense ({SIM_LABEL}); dense wiki {dense['wiki']:.3f}, news {dense['news']:.3f}")
+    print(f"\nHeld-out perplexity increase vs dense ({SIM_LABEL}); "
+          f"dense wiki {dense['wiki']:.3f}, news {dense['news']:.3f}")
     print(f"{'method':18s} {'density':>7s} {'wiki':>8s} {'news':>8s}")
     for r in rows:
         print(f"{r['method']:18s} {r['mlp_density']:7.3f} {r['wiki_increase']:+8.2%} {r['news_increase']:+8.2%}")
     if head_rows:
         print(f"\n{'heads (MLP dense)':24s} {'density':>7s} {'recall':>7s} {'wiki':>8s} {'news':>8s}")
         for r in head_rows:
-            print(f"{r['method']:24s} {r.get('plan_attn_density', r['attn_density']):7.3f} {r.get('mean_recall', 1.0):7.3f}"
-                  f" {r['wiki_increase']:+8.2%} {r['news_increase']:+8.2%}")
+            print(f"{r['method']:24s} {r.get('plan_attn_density', r['attn_density']):7.3f}"
+                  f" {r.get('mean_recall', 1.0):7.3f} {r['wiki_increase']:+8.2%} {r['news_increase']:+8.2%}")
     cfg = model.config
     d, F = cfg.hidden_size, cfg.intermediate_size
     cost = {"block_params": 3 * d * F, "block_flops_per_token": 6 * d * F,
@@ -165,7 +174,8 @@ def main(argv=None) -> int:
     result = {
         "label": SIM_LABEL, "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized fp32)",
         "eval_tokens": {k: sum(c.numel() for c in v) for k, v in sets.items()}, "dense": dense,
-        "rows": rows, "head_rows": head_rows, "per_layer": per_layer, "default_plan": default_plan.settings, "cost": cost,
+        "rows": rows, "head_rows": head_rows, "per_layer": per_layer, "default_plan": default_plan.settings,
+        "cost": cost,
         "collect_s": collect_s, "total_s": time.time() - t0,
         "notes": {
             "teal": "density = share of the MLP input channels kept (largest |x|), gate/up/down run on "

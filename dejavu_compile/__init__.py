@@ -11,8 +11,9 @@ from dejavu_compile.errors import DejavuOptionError, PlanMismatchError
 
 __version__ = "0.1.0"
 __all__ = [
-    "AttentionBlock", "DejavuOptionError", "ExplainReport", "PlanMismatchError", "MLPBlock", "SparsityPlan", "WeightRef", "calibrate",
-    "dejavu_backend", "explain", "greedy_decode", "prepare_model", "quantize_weights", "register_rule", "registered_rules", "unregister_rule",
+    "AttentionBlock", "DejavuOptionError", "ExplainReport", "PlanMismatchError", "MLPBlock", "SparsityPlan",
+    "WeightRef", "calibrate", "dejavu_backend", "explain", "greedy_decode", "prepare_model", "quantize_weights",
+    "register_rule", "registered_rules", "unregister_rule",
 ]
 
 

@@ -363,7 +363,8 @@ def bench(argv=None) -> int:
 def calibrate_cmd(argv=None) -> int:
     from dejavu_compile.calibration.calibrate import DEFAULT_MAX_TOKENS, calibrate
 
-    ap = _Parser(prog="dejavu-compile calibrate", description="Calibrate a Deja Vu sparsity plan; writes a plan directory.")
+    ap = _Parser(prog="dejavu-compile calibrate",
+                 description="Calibrate a Deja Vu sparsity plan; writes a plan directory.")
     ap.add_argument("--out", required=True, help="new or empty directory to write the plan to")
     ap.add_argument("--overwrite", action="store_true", help="allow replacing a plan already in --out")
     _add_model_arg(ap)

@@ -12,9 +12,9 @@ import hashlib
 import importlib.util
 import os
 import re
+from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable
 
 import torch
 

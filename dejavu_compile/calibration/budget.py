@@ -4,11 +4,12 @@ Two ways. `uniform`: every layer keeps the same share (the near-oracle int8 and 
 use it: on SmolLM2 at 50% density it beat the greedy allocation below by 0.8-1.8 pp of held-out
 perplexity, because 1 - captured mass is a poor measure of what a layer's error costs the model;
 weighting it by the dropped neurons' output energy, or by each layer's own measured perplexity
-cost, did worse still). `allocate`, greedy: each layer has a curve loss_l(k) measured on calibration tokens (here 1 - share of |activation|
-mass the predictor's top-k keeps). Greedy allocation: start dense, repeatedly lower the k of the
-layer whose next step down costs the least loss per neuron removed, until the average density
-reaches the target. Layers whose first step is expensive stay dense. k stays fixed per layer
-(static shapes for compilation) and on a grid (multiples of `multiple`, kernel friendly).
+cost, did worse still). `allocate`, greedy: each layer has a curve loss_l(k) measured on calibration
+tokens (here 1 - share of |activation| mass the predictor's top-k keeps). Greedy allocation: start
+dense, repeatedly lower the k of the layer whose next step down costs the least loss per neuron
+removed, until the average density reaches the target. Layers whose first step is expensive stay
+dense. k stays fixed per layer (static shapes for compilation) and on a grid (multiples of
+`multiple`, kernel friendly).
 """
 from __future__ import annotations
 

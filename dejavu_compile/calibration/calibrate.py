@@ -355,8 +355,9 @@ def fit_mlp_predictor(model, s, block, options: Options, fit_idx, val_idx, rank:
     multiple = k_multiple(total)
     grid = budget.k_grid(total, min_density, 20, multiple=multiple)
     dense_bytes = (3 if block.gated else 2) * block.hidden_size * total * element_size
-    return LayerFit(name, tensors, scores, importance, {k: 1.0 - m for k, m in mass_curve(scores, importance, grid).items()},
-                    multiple, kind.read_bytes(tensors, element_size) / dense_bytes)
+    curve = {k: 1.0 - m for k, m in mass_curve(scores, importance, grid).items()}
+    return LayerFit(name, tensors, scores, importance, curve, multiple,
+                    kind.read_bytes(tensors, element_size) / dense_bytes)
 
 
 def fit_head_predictor(fit: LayerFit, s, previous, fit_idx, val_idx, min_density: float, seed: int) -> None:
@@ -429,7 +430,8 @@ def record_settings(options: Options, mlp_blocks: dict, fits: dict[int, LayerFit
     return {"method": f"dejavu-glu-{options.predictor}" if gated else "dejavu-lowrank",
             "predictor": options.predictor, "values": options.values, "target_mlp_density": density,
             "attn_density": facts["attn_density"], "lookahead": options.lookahead, "rank": facts["rank"],
-            "max_tokens": facts["max_tokens"], "seq_len": facts["seq_len"], "tokens_collected": facts["tokens_collected"],
+            "max_tokens": facts["max_tokens"], "seq_len": facts["seq_len"],
+            "tokens_collected": facts["tokens_collected"],
             "min_density": facts["min_density"], "allocation": options.allocation, "seed": facts["seed"],
             "max_ppl_increase": facts["max_ppl_increase"], "predictor_cost": round(fits[first].predictor_cost, 4),
             "dense_when_unprofitable": facts["dense_when_unprofitable"], "collect_s": facts["collect_s"],

@@ -8,8 +8,8 @@ samples line up with the previous block's (the lookahead predictor's input).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 import torch.fx as fx

@@ -15,7 +15,7 @@ longer matches raises :class:`~dejavu_compile.errors.PlanMismatchError` from tha
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

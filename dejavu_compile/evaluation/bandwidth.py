@@ -5,6 +5,10 @@ from dejavu_compile.compiler.explain import matched_blocks
 from dejavu_compile.compiler.passes.sparse_attention import dense_query_reason, dense_reason
 
 
+def nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
 def bandwidth_bound(model, plan) -> float:
     """Dense weight bytes per decode step over the bytes the plan reads: kept MLP rows (only their
     down rows when the plan takes their values from the int8 predictor, from its bf16 copy where the
@@ -14,7 +18,6 @@ def bandwidth_bound(model, plan) -> float:
     here.) Attention blocks and query projections count as sparse exactly where the backend lowers
     them so (``sparsify_attention.dense_reason`` / ``dense_query_reason``)."""
     params = dict(model.named_parameters())
-    nbytes = lambda p: p.numel() * p.element_size()
     element_size = next(iter(params.values())).element_size()
     total = sum(nbytes(p) for p in {id(p): p for p in model.parameters()}.values())
     # An input embedding reads one row per token; unless the output head shares it, leave it out.

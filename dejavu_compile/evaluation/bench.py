@@ -9,8 +9,8 @@ from __future__ import annotations
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -90,8 +90,9 @@ def cpu_info() -> dict:
 
 
 def machine_description() -> str:
+    device = "CUDA " + torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     return (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-            f"torch {torch.__version__}, {'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}")
+            f"torch {torch.__version__}, {device}")
 
 
 def compiled_forward(backend, **compile_kwargs) -> Callable:

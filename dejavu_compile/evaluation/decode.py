@@ -56,7 +56,8 @@ def greedy_decode(model, input_ids: torch.LongTensor, max_new_tokens: int, *, eo
     graphs_before_last_step = None
     with torch.no_grad(), contextlib.ExitStack() as unguarded:
         for step in range(max_new_tokens):
-            if skip_guards and step == 3 and _compiled_graphs() == graphs_before_last_step:  # decode step 2 compiled nothing
+            # decode step 2 compiled nothing
+            if skip_guards and step == 3 and _compiled_graphs() == graphs_before_last_step:
                 unguarded.enter_context(torch.compiler.set_stance("default", skip_guard_eval_unsafe=True))
             graphs_before_last_step = _compiled_graphs()
             logits = model(input_ids=tokens, **{keyword: cache}, use_cache=True, cache_position=position).logits

@@ -8,7 +8,7 @@ the dense down projection. The sparse ops compute exactly that (tests/test_spars
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, Iterable, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 import torch
 
@@ -131,7 +132,8 @@ class MaskedSimulation:
 
 
 @torch.no_grad()
-def perplexity(model, chunks: Iterable[torch.LongTensor], selector: Selector | None = None, progress: bool = False) -> float:
+def perplexity(model, chunks: Iterable[torch.LongTensor], selector: Selector | None = None,
+               progress: bool = False) -> float:
     """Token-level perplexity of (1, T) chunks (each scored on its own, full-sequence forward)."""
     from tqdm.auto import tqdm
 

@@ -4,9 +4,6 @@ Ops (each with a fake kernel; CUDA runs Triton, ``triton/``; CPU runs torch code
 and for the fp32 MLP ops a C kernel built on first use, ``cpu/``):
 - ``sparse_gated_mlp(x, w_gate, w_up, w_down_t, idx, activation, b_gate=None, b_up=None, b_down=None, check_idx=True)``
 - ``sparse_mlp(x, w_up, b_up, w_down_t, b_down, idx, activation, check_idx=True)``
-- ``sparse_head_attention(x, w_q, b_q, k_cache, v_cache, w_o_t, b_o, head_idx, cos, sin,
-  valid_len, attn_mask, scale, rotary_dim)`` (see ``attention.py``)
-
 - ``int8_linear(x, w_int8, scale)``: the int8 predictor's GEMV (the C kernel on CPU, see ``int8.py``)
 
 The backend's CPU decode step calls more, registered from C++ when ``cpu_ops_available()`` builds
@@ -20,10 +17,10 @@ projection's GEMV), ``cpu_screened_linear(x, w, w_int8, scale, k, b)`` (an outpu
 by its int8 copy, the top k of each row exact) and ``cpu_q8_linear(x, q, scales, b)`` (a projection
 stored as int8 with per-group scales, ``compiler/quantize.py``'s format).
 
-Weight layouts are prepared once with ``prepare_gated_mlp_weights``, ``prepare_mlp_weights`` and
-``prepare_attention_weights``. Triton launchers live in ``triton/`` (imported on first CUDA use,
-so this package imports without triton; don't import it eagerly: under TRITON_INTERPRET the flag is
-read at its import). Activation names and kernel codes come from ``dejavu_compile.activations``.
+Weight layouts are prepared once with ``prepare_gated_mlp_weights`` and ``prepare_mlp_weights``.
+Triton launchers live in ``triton/`` (imported on first CUDA use, so this package imports without
+triton; don't import it eagerly: under TRITON_INTERPRET the flag is read at its import). Activation
+names and kernel codes come from ``dejavu_compile.activations``.
 
 Notes for callers: inference only (no autograd formula). ``w_down_t``/``w_o_t`` should be
 contiguous (F, d) (embedding_bag would copy a strided one on every call). Per-row indices (B, k) are
@@ -37,11 +34,10 @@ import importlib.util
 import torch
 
 from ._common import ACTIVATIONS
-from .attention import sparse_head_attention, sparse_head_attention_torch
 from .cpu import native as _native
 from .int8 import int8_linear
 from .mlp import sparse_gated_mlp, sparse_gated_mlp_torch, sparse_mlp, sparse_mlp_torch
-from .prepare import prepare_attention_weights, prepare_gated_mlp_weights, prepare_mlp_weights, prepared_overhead
+from .prepare import prepare_gated_mlp_weights, prepare_mlp_weights, prepared_overhead
 
 
 def cpu_ops_available() -> bool:
@@ -56,8 +52,7 @@ def triton_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 
 __all__ = [
-    "ACTIVATIONS", "int8_linear", "sparse_gated_mlp", "sparse_mlp", "sparse_head_attention",
-    "sparse_gated_mlp_torch", "sparse_mlp_torch", "sparse_head_attention_torch",
-    "prepare_gated_mlp_weights", "prepare_mlp_weights", "prepare_attention_weights",
+    "ACTIVATIONS", "int8_linear", "sparse_gated_mlp", "sparse_mlp", "sparse_gated_mlp_torch", "sparse_mlp_torch",
+    "prepare_gated_mlp_weights", "prepare_mlp_weights",
     "prepared_overhead", "cpu_ops_available", "triton_available",
 ]

@@ -43,7 +43,8 @@ def _packed(w: Tensor, scale: Tensor):
         global _FBGEMM
         _FBGEMM = False
         return None
-    _PACKED[id(w)] = (weakref.ref(w, lambda _, key=id(w): _PACKED.pop(key, None)), w._version, id(scale), packed)
+    key = id(w)
+    _PACKED[key] = (weakref.ref(w, lambda _: _PACKED.pop(key, None)), w._version, id(scale), packed)
     return packed
 
 

@@ -67,19 +67,6 @@ def prepare_mlp_weights(w_up: Tensor, w_down: Tensor, b_up: Optional[Tensor] = N
             "dense": {"w_up": wu, "w_down": w_down_t.t()}}
 
 
-def prepare_attention_weights(w_q: Tensor, w_o: Tensor, b_q: Optional[Tensor] = None,
-                              b_o: Optional[Tensor] = None, *, layout: str = "out_in") -> dict:
-    """Layouts for ``sparse_head_attention``: keys w_q (H*D, hidden), b_q, w_o_t (H*D, hidden_out),
-    b_o, dense = {w_q, w_o}. K/V projections are untouched (all KV heads stay dense)."""
-    wq, wo = (_out_in(w.detach(), layout) for w in (w_q, w_o))
-    if wo.shape[1] != wq.shape[0]:
-        raise ValueError(f"w_o must take the {wq.shape[0]} q features, got shape {tuple(wo.shape)}")
-    wq = wq.contiguous()
-    w_o_t = wo.t().contiguous()
-    return {"w_q": wq, "b_q": _detach(b_q), "w_o_t": w_o_t, "b_o": _detach(b_o),
-            "dense": {"w_q": wq, "w_o": w_o_t.t()}}
-
-
 def prepared_overhead(prepared: dict, originals: list[Tensor]) -> float:
     """Extra weight bytes the prepared dict holds, as a fraction of ``originals``' bytes
     (0.0 when the prepared layouts replace the originals one for one)."""

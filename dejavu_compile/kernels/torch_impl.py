@@ -1,6 +1,6 @@
 """The sparse ops in torch: the CPU path wherever the C kernel does not apply (dtypes other than
-fp32, no C compiler, ``DEJAVU_CPU_NATIVE=0``), for the MLP ops and for head-sparse attention.
-Arguments are checked by the callers (``mlp.py``, ``attention.py``).
+fp32, no C compiler, ``DEJAVU_CPU_NATIVE=0``), for the MLP ops.
+Arguments are checked by the caller (``mlp.py``).
 
 Gate/up gather-GEMV of a large call (``FUSED_MIN_ELEMENTS``): one loop that Inductor generates from
 ``w[rows] * x`` summed over d (``torch.compile``, dynamic shapes, compiled once per process and
@@ -177,69 +177,4 @@ def sparse_mlp(x, w_a, w_b, w_down_t, idx, activation, b_a, b_b, b_down, out=Non
     down_rows_sum(rows, h, w_down_t, out)
     if b_down is not None:
         out.add_(b_down)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# head-sparse attention
-
-
-def attend(q, k_cache, v_cache, kv_idx, cos, sin, valid_len, attn_mask, scale, rotary_dim) -> Tensor:
-    """q (B, k, D) fp32 for the selected heads; kv_idx (B, k). Returns (B, k, D) fp32."""
-    nb, _, t, d = k_cache.shape
-    if rotary_dim:
-        half = rotary_dim // 2
-        qr = q[..., :rotary_dim]
-        rot = torch.cat([-qr[..., half:], qr[..., :half]], dim=-1)
-        q = torch.cat([qr * cos.float()[:, None] + rot * sin.float()[:, None], q[..., rotary_dim:]], -1)
-    # Only the kv heads the selected heads use: one memcpy-style gather of (T, D) blocks.
-    hkv = k_cache.shape[1]
-    flat = (torch.arange(0, nb * hkv, hkv, device=q.device)[:, None] + kv_idx).reshape(-1)
-    keys = k_cache.reshape(nb * hkv, t, d).index_select(0, flat).view(nb, -1, t, d).float()
-    vals = v_cache.reshape(nb * hkv, t, d).index_select(0, flat).view(nb, -1, t, d).float()
-    scores = torch.einsum("bkd,bktd->bkt", q, keys) * scale
-    if valid_len is not None:
-        beyond = torch.arange(t, device=q.device)[None, :] >= valid_len[:, None]
-        scores = scores.masked_fill(beyond[:, None], float("-inf"))
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask[:, None], float("-inf"))
-        else:
-            scores = scores + attn_mask.float()[:, None]
-    return torch.einsum("bkt,bktd->bkd", torch.softmax(scores, dim=-1), vals)
-
-
-def head_rows(rows: Tensor, d: int) -> Tensor:
-    """(B, k) head ids -> (B, k*D) row ids of those heads' D rows."""
-    return (rows[..., None] * d + torch.arange(d, device=rows.device)).reshape(rows.shape[0], -1)
-
-
-def sparse_head_attention(x, w_q, b_q, k_cache, v_cache, w_o_t, b_o, head_idx, cos, sin, valid_len,
-                          attn_mask, scale, rotary_dim, h, hkv, d, out=None) -> Tensor:
-    """The attention op in torch ((h, hkv, d) from ``check_attention``): the q projection gathers
-    head blocks of w_q in cache-sized chunks, the output projection sums the selected rows of w_o_t
-    in place."""
-    nb, hidden = x.shape
-    rows = C.rows_2d(head_idx, nb)
-    k = rows.shape[1]
-    # w_q as (H, D*hidden): gathering a head is gathering one row of it.
-    w_heads = [w_q.reshape(h, d * hidden)]
-    if head_idx.dim() == 1:
-        q = C.empty(k, d, nb, dtype=x.dtype, device=x.device)
-        gather_gemv(w_heads, head_idx, x.t(), q)
-        q = q.permute(2, 0, 1)
-    else:
-        q = C.empty(nb, k, d, 1, dtype=x.dtype, device=x.device)
-        for b in range(nb):
-            gather_gemv(w_heads, rows[b], x[b, :, None], q[b])
-        q = q[..., 0]
-    q = q.float()
-    if b_q is not None:
-        q = q + b_q.float().view(h, d)[rows]
-    o = attend(q, k_cache, v_cache, rows // (h // hkv), cos, sin, valid_len, attn_mask, scale, rotary_dim)
-    if out is None:
-        out = C.empty(nb, w_o_t.shape[1], dtype=x.dtype, device=x.device)
-    down_rows_sum(head_rows(rows, d), o.reshape(nb, k * d).to(x.dtype), w_o_t, out)
-    if b_o is not None:
-        out.add_(b_o)
     return out

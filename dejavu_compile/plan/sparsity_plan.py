@@ -160,7 +160,8 @@ def model_fingerprint(model) -> dict[str, Any]:
         h.update(name.encode())
         h.update(flat[::step].numpy().tobytes())
     shape_hash = hashlib.sha256(json.dumps(shapes, sort_keys=True).encode()).hexdigest()[:16]
-    return {"architecture": arch, "shapes_hash": shape_hash, "weights_hash": h.hexdigest()[:16], "num_tensors": len(shapes),
+    return {"architecture": arch, "shapes_hash": shape_hash, "weights_hash": h.hexdigest()[:16],
+            "num_tensors": len(shapes),
             "weight_sample": weight_sample(model.named_parameters(remove_duplicate=False))}
 
 
@@ -278,13 +279,14 @@ class SparsityPlan:
 
     # ---------------------------------------------------------------- construction
     @classmethod
-    def dense(cls, model, settings: dict | None = None) -> "SparsityPlan":
+    def dense(cls, model, settings: dict | None = None) -> SparsityPlan:
         """A plan that keeps every neuron and head (equivalence tests, baselines)."""
         cfg = model.config
         entries = {}
         for layer in range(cfg.num_hidden_layers):
             entries[(layer, "mlp")] = PlanEntry(layer, "mlp", cfg.intermediate_size, cfg.intermediate_size)
-            entries[(layer, "attention")] = PlanEntry(layer, "attention", cfg.num_attention_heads, cfg.num_attention_heads)
+            heads = cfg.num_attention_heads
+            entries[(layer, "attention")] = PlanEntry(layer, "attention", heads, heads)
         return cls(entries, model_fingerprint(model), dict(settings or {"method": "dense"}))
 
     # ---------------------------------------------------------------- summaries
@@ -339,7 +341,8 @@ class SparsityPlan:
         for (l, kind), e in sorted(self.entries.items()):
             extra = " ".join(f"{k}={v:.3f}" for k, v in e.stats.items() if isinstance(v, float))
             values = "" if e.values == "exact" else f" values={e.values}"
-            lines.append(f"  L{l:02d} {kind:9s} k={e.k:5d}/{e.total:<5d} {e.predictor or 'dense':13s} lookahead={e.lookahead}{values} {extra}")
+            lines.append(f"  L{l:02d} {kind:9s} k={e.k:5d}/{e.total:<5d} {e.predictor or 'dense':13s} "
+                         f"lookahead={e.lookahead}{values} {extra}")
         return "\n".join(lines)
 
     # ---------------------------------------------------------------- model binding
@@ -397,7 +400,7 @@ class SparsityPlan:
         return d
 
     @classmethod
-    def load(cls, directory, model=None) -> "SparsityPlan":
+    def load(cls, directory, model=None) -> SparsityPlan:
         """Read a plan directory; with `model`, also `check` it against the model."""
         d = Path(directory)
         if not d.is_dir():
@@ -416,7 +419,8 @@ class SparsityPlan:
             raise ValueError(f"{meta_path} has plan format version {version}, newer than this code reads "
                              f"(1 to {FORMAT_VERSION}): update dejavu-compile or recalibrate")
         if version not in READABLE_VERSIONS:
-            raise ValueError(f"{meta_path} has unknown plan format version {version!r} (this code reads 1 to {FORMAT_VERSION})")
+            raise ValueError(f"{meta_path} has unknown plan format version {version!r} "
+                             f"(this code reads 1 to {FORMAT_VERSION})")
         records = meta.get("entries")
         if not isinstance(records, list):
             raise ValueError(f"{meta_path} is corrupt: 'entries' missing")
@@ -433,7 +437,8 @@ class SparsityPlan:
             except (SafetensorError, OSError, RuntimeError, ValueError) as err:
                 raise ValueError(f"{tens_path} is corrupt or truncated ({err})") from err
             if _digest(tensors) != meta.get("tensors_sha256"):
-                raise ValueError(f"{tens_path} does not match plan.json (checksum differs: corrupt or from another plan)")
+                raise ValueError(f"{tens_path} does not match plan.json "
+                                 "(checksum differs: corrupt or from another plan)")
         entries = {}
         for r in records:
             try:

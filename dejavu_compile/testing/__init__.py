@@ -57,7 +57,8 @@ def _tensors_of(output) -> dict[str, torch.Tensor]:
     return {}
 
 
-def describe_difference(name: str, actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> str | None:
+def describe_difference(name: str, actual: torch.Tensor, expected: torch.Tensor, rtol: float,
+                        atol: float) -> str | None:
     """None when ``actual`` matches ``expected``; else a readable account of where and by how much."""
     if actual.shape != expected.shape:
         return f"{name}: shape {tuple(actual.shape)} (compiled) != {tuple(expected.shape)} (eager)"

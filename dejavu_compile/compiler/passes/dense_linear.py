@@ -2,7 +2,8 @@
 
 At decode shapes (a few rows of activations) a projection is a GEMV, and reading its weight is all
 the work. Torch's GEMM path reads these small weights well below the memory bandwidth (measured in
-``benchmarks/README.md``); ``dejavu::cpu_linear`` (kernels/cpu/cpu_ops.cpp) streams each weight once. This pass rewrites every projection that is left in the graph after
+``benchmarks/README.md``); ``dejavu::cpu_linear`` (kernels/cpu/cpu_ops.cpp) streams each weight
+once. This pass rewrites every projection that is left in the graph after
 the sparsity passes (attention projections, dense MLPs, the output head; with no plan, all of
 them) into that op. Exact: every product is summed, only the summation order differs.
 

@@ -21,7 +21,6 @@ from dejavu_compile.compiler.passes.graph_utils import (
     common_module,
     evaluate,
     example_value,
-    is_elementwise,
     is_op,
     is_shape_op,
     layer_index,
@@ -246,11 +245,6 @@ def _is_parameter(node: fx.Node) -> bool:
             return True
         source = getattr(source, "base", None)
     return isinstance(example_value(node), torch.nn.Parameter)
-
-
-def _scales_only(node: fx.Node) -> bool:
-    """An element-wise op of one tensor and scalars (a scaling or a cast)."""
-    return is_elementwise(node) and len(node.all_input_nodes) == 1
 
 
 def _passes_unrotated(graph: nx.DiGraph, start: fx.Node, end: fx.Node, region: set) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx

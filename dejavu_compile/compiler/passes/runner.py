@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -23,13 +23,6 @@ from dejavu_compile.compiler.passes.graph_build import placeholder_values
 
 log = logging.getLogger("dejavu_compile.passes")
 DEBUG_ENV = "DEJAVU_DEBUG_GRAPHS"
-
-
-@runtime_checkable
-class GraphPass(Protocol):
-    name: str
-
-    def __call__(self, gm: fx.GraphModule, ctx: "PassContext") -> fx.GraphModule: ...
 
 
 @dataclass
@@ -109,12 +102,6 @@ def run_passes(gm: fx.GraphModule, passes, ctx: PassContext) -> fx.GraphModule:
 
 def _readable(gm: fx.GraphModule) -> str:
     return gm.print_readable(print_output=False)
-
-
-def count_targets(gm: fx.GraphModule, targets) -> int:
-    """How many call_function nodes call one of ``targets`` (tests count ops before and after a pass)."""
-    targets = set(targets)
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in targets)
 
 
 def dejavu_op_nodes(gm: fx.GraphModule) -> list[fx.Node]:

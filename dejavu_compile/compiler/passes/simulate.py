@@ -51,7 +51,7 @@ def simulate_plan(gm, match, plan, report, example_inputs, opts) -> fx.GraphModu
             mask = graph.call_function(torch.scatter, (zeros, -1, idx, ones))
             masked_flat = graph.call_function(operator.mul, (kept, mask))
             masked = graph.call_method("view_as", (masked_flat, hidden))
-        hidden.replace_all_uses_with(masked, delete_user_cb=lambda user: user not in (flat, masked))
+        hidden.replace_all_uses_with(masked, delete_user_cb=lambda user, ours=(flat, masked): user not in ours)
         copy_note = _round_down_rows(gm, graph, block, plan, values) if from_predictor else ""
         report.rewritten.append(f"layer {block.layer} mlp: masked simulation, {entry.k}/{entry.total} neurons"
                                 f"{', values from the int8 predictor' if from_predictor else ''}{copy_note}")

@@ -171,8 +171,10 @@ def _project_selected_heads(gm, graph, block: AttentionBlock, heads, attn, k, va
         weights = graph.call_method("reshape", (attn, -1, k * D))
         out = emit_weighted_row_sum(graph, rows, weights, k * D, w_o_t, block.o.bias_node)
         # Leading dims of the block's input (not of the old attention output, which must die with it).
-        lead = graph.call_function(operator.getitem, (graph.call_method("size", (block.nodes["input"],)), slice(None, -1)))
-        shaped = graph.call_method("reshape", (out, graph.call_function(operator.add, (lead, (emit_size(graph, w_o_t, 1),)))))
+        input_size = graph.call_method("size", (block.nodes["input"],))
+        lead = graph.call_function(operator.getitem, (input_size, slice(None, -1)))
+        out_shape = graph.call_function(operator.add, (lead, (emit_size(graph, w_o_t, 1),)))
+        shaped = graph.call_method("reshape", (out, out_shape))
     out.meta["dejavu"] = {"role": "sparse_attention", "layer": block.layer, "k": k}
     o_out.replace_all_uses_with(shaped)
     return out

@@ -9,9 +9,9 @@ For each MLP block with a sparse plan entry:
    kernel lowering ``lowering.choose_lowering`` picks, which read only the selected weight rows.
 
 The ``decode_shape`` pass before it lets only graphs with one token per sequence and at most
-``max_batch`` sequences through; prefill stays dense. Weights are used in place: gate/up rows straight from the parameters, the down
-projection from its transpose, which is a free view when the parameter is stored transposed
-(``prepare_model``) and otherwise a one-time copy held by the compiled graph."""
+``max_batch`` sequences through; prefill stays dense. Weights are used in place: gate/up rows
+straight from the parameters, the down projection from its transpose, which is a free view when
+the parameter is stored transposed (``prepare_model``) and otherwise a one-time copy held by the compiled graph."""
 from __future__ import annotations
 
 import logging

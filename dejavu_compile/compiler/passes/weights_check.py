@@ -22,8 +22,8 @@ from dejavu_compile.plan.sparsity_plan import describe_weight_differences, same_
 log = logging.getLogger("dejavu_compile")
 
 # plan -> {parameter tensor -> (state, sample name, same weights)}; weak on both, so nothing is kept alive
-_verdicts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_unverifiable_logged: "weakref.WeakSet" = weakref.WeakSet()
+_verdicts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_unverifiable_logged: weakref.WeakSet = weakref.WeakSet()
 
 
 def _state(tensor: torch.Tensor) -> tuple:
@@ -81,6 +81,7 @@ class WeightsCheck:
                   if isinstance(value, torch.Tensor) and (name := param_name(node)) is not None]
         differ, compared = weight_differences(plan, params)
         if differ:
-            raise PlanMismatchError("sparsity plan does not fit this model: " + describe_weight_differences(differ, compared))
+            raise PlanMismatchError("sparsity plan does not fit this model: "
+                                    + describe_weight_differences(differ, compared))
         ctx.count(self.name, compared)
         return gm

@@ -17,14 +17,16 @@ from dejavu_compile.kernels import int8_linear
 from dejavu_compile.plan.predictors.registry import FitInputs, PredictorKind, register
 
 
-def glu_int8_values(x: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+def glu_int8_values(x: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor,
+                    activation: str = "silu") -> torch.Tensor:
     """(B, d) -> (B, F) signed act(g~) * u~, through ``dejavu::int8_linear``."""
     h = int8_linear(x, rows, scales)
     n = rows.shape[0] // 2
     return activations.torch_fn(activation)(h[..., :n]) * h[..., n:]
 
 
-def glu_int8_scores(x: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+def glu_int8_scores(x: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor,
+                    activation: str = "silu") -> torch.Tensor:
     """(B, d) -> (B, F) scores |act(g~) * u~|; the graph node the compiler inserts."""
     return torch.abs(glu_int8_values(x, rows, scales, activation))
 
@@ -40,11 +42,6 @@ def int8_glu_predictor(gate_weight: torch.Tensor, up_weight: torch.Tensor) -> di
     """{"rows": (2F, d) int8, "scales": (2F,) fp32} of a gated MLP's gate and up weights (gate rows first)."""
     q, scale = quantize_rows_int8(torch.cat([gate_weight, up_weight]))
     return {"rows": q, "scales": scale}
-
-
-def int8_glu_scores(x: torch.Tensor, t: dict[str, torch.Tensor], activation: str = "silu") -> torch.Tensor:
-    """(N, d) -> (N, F) scores of tensors `t` through the op the compiled graph runs."""
-    return GLU_INT8.scores(t, x, activation)
 
 
 class GluInt8(PredictorKind):

@@ -63,7 +63,8 @@ def fit_glu_predictor(
         As.append(P[:d])
         as_.append(P[d])
         Bs.append(V.T)
-    return {"in_proj": torch.cat(As, 1).float(), "in_bias": torch.cat(as_).float(), "out_proj": torch.cat(Bs, 0).float()}
+    return {"in_proj": torch.cat(As, 1).float(), "in_bias": torch.cat(as_).float(),
+            "out_proj": torch.cat(Bs, 0).float()}
 
 
 def glu_scores(x: torch.Tensor, t: dict[str, torch.Tensor], activation: str = "silu") -> torch.Tensor:

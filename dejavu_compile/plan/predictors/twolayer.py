@@ -151,7 +151,8 @@ def train_predictor(
         return _train(x, importance, k, rank, relu, loss, steps, lr, batch_size, weight_decay, soft_power, seed)
 
 
-def _train(x, importance, k, rank, relu, loss, steps, lr, batch_size, weight_decay, soft_power, seed) -> LowRankPredictor:
+def _train(x, importance, k, rank, relu, loss, steps, lr, batch_size, weight_decay, soft_power,
+           seed) -> LowRankPredictor:
     n, d = x.shape
     total = importance.shape[1]
     k = max(1, min(k, total))
@@ -166,7 +167,8 @@ def _train(x, importance, k, rank, relu, loss, steps, lr, batch_size, weight_dec
     dist = w / w.sum(-1, keepdim=True).clamp_min(1e-30)
     pred = LowRankPredictor(d, rank, total, relu)
     with torch.no_grad():  # start at the per-neuron base rate so early steps learn context only
-        pred.b.copy_(torch.logit(mask.mean(0).clamp(1e-3, 1 - 1e-3)) if loss == "bce" else torch.log(dist.mean(0) + 1e-9))
+        base = torch.logit(mask.mean(0).clamp(1e-3, 1 - 1e-3)) if loss == "bce" else torch.log(dist.mean(0) + 1e-9)
+        pred.b.copy_(base)
     opt = torch.optim.Adam(pred.parameters(), lr=lr, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
     g = torch.Generator().manual_seed(seed)
