@@ -85,11 +85,12 @@ def validate_options(options: dict | None) -> dict:
         if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
             raise DejavuOptionError(f"option 'mlp_density' must be a number in (0, 1], the share of each MLP's "
                                     f"neurons kept (e.g. 0.6), got {density!r}")
-    if merged["cpu_lowering"] not in ("auto", "native", "op", "decomposed"):
-        raise DejavuOptionError("option 'cpu_lowering' must be 'auto', 'native', 'op' or 'decomposed'")
-    if merged["lowering"] is not None:
-        from dejavu_compile.compiler.passes.lowering import registered_lowerings
+    from dejavu_compile.compiler.passes.lowering import cpu_lowering_names, registered_lowerings
 
+    if merged["cpu_lowering"] not in cpu_lowering_names():
+        raise DejavuOptionError(f"option 'cpu_lowering' must be one of {list(cpu_lowering_names())}, "
+                                f"got {merged['cpu_lowering']!r}")
+    if merged["lowering"] is not None:
         if merged["lowering"] not in registered_lowerings():
             raise DejavuOptionError(f"option 'lowering' must be None or one of {sorted(registered_lowerings())}, "
                                     f"got {merged['lowering']!r}")

@@ -29,10 +29,9 @@ scores it), fused with top-k (``cpu_glu_int8_topk``), and with the block for val
 On CUDA every dtype takes ``triton`` (the custom ops' fp16/bf16/fp32 Triton kernels). Dense
 layers, attention and everything outside the sparse blocks stay in the model's dtype.
 
-The choice (:func:`choose_lowering`) keeps the ``cpu_lowering`` option's meaning: "auto" takes the C++
-ops where they build and apply, else the decomposed form under Inductor (the custom op's Python
-call per layer would cost more than it saves) and the custom op under eager; the ``lowering``
-option forces one entry by name.
+The choice (:func:`choose_lowering`): the entry of highest priority that applies to the block
+(:func:`preference`); ``cpu_lowering`` names the CPU entry to use instead of the automatic one, and
+``lowering`` forces one entry by name. A registered entry takes part with no other edit.
 """
 from __future__ import annotations
 
@@ -40,8 +39,9 @@ import importlib.util
 import logging
 import operator
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.fx as fx
@@ -73,18 +73,36 @@ class SparseMLPNodes:
     device: torch.device  # of the weights
 
 
+class EmitInt8TopK(Protocol):
+    def __call__(self, gm: fx.GraphModule, graph: fx.Graph, entry, x2d: fx.Node, prefix: str,
+                 device: torch.device) -> fx.Node:
+        """The int8 predictor's scores and top k in one op: (tokens, k) neuron ids."""
+
+
+class EmitInt8ValuesMLP(Protocol):
+    def __call__(self, gm: fx.GraphModule, graph: fx.Graph, block: MLPBlock, entry, x2d: fx.Node,
+                 w_down_t: fx.Node, b_down: Optional[fx.Node], prefix: str,
+                 device: torch.device) -> tuple[fx.Node, fx.Node]:
+        """The whole block from the int8 predictor's values: (output node, predictor node)."""
+
+
 @dataclass(frozen=True)
 class KernelLowering:
+    """One way to lower a sparse MLP. Among the entries that apply to a block, the automatic choice
+    takes the highest ``priority``; ``automatic=False`` entries run only when the ``lowering`` option
+    names them, and ``auto_inner`` limits the automatic choice to some inner compilers."""
+
     name: str
     device_types: tuple[str, ...]
     dtypes: Optional[tuple[torch.dtype, ...]]  # None: any floating dtype
     is_available: Callable[[dict, str], bool]  # (backend options, device type) -> whether it can run here
     emit_mlp: Callable[[fx.Graph, SparseMLPNodes], fx.Node]  # -> (tokens, d_out)
+    priority: int = 0
+    automatic: bool = True
+    auto_inner: Optional[tuple[str, ...]] = None  # inner compilers it is chosen automatically under (None: any)
     needs_contiguous_rows: bool = False  # gate/up rows must have unit stride (not Conv1D's (in, out))
-    # (gm, graph, entry, x2d, prefix, device) -> (tokens, k) ids: int8 predictor scores and top-k in one op
-    emit_int8_topk: Optional[Callable] = None
-    # (gm, graph, block, entry, x2d, w_down_t, b_down, prefix, device) -> (output node, predictor node)
-    emit_int8_values_mlp: Optional[Callable] = None
+    emit_int8_topk: Optional[EmitInt8TopK] = None
+    emit_int8_values_mlp: Optional[EmitInt8ValuesMLP] = None
 
     def applies(self, opts: dict, weight: Optional[torch.Tensor], rows_contiguous: bool = True,
                 dtype: Optional[torch.dtype] = None) -> bool:
@@ -106,6 +124,10 @@ def register_lowering(lowering: KernelLowering, *, replace: bool = False) -> Ker
     return lowering
 
 
+def unregister_lowering(name: str) -> KernelLowering:
+    return _LOWERINGS.pop(name)
+
+
 def registered_lowerings() -> dict[str, KernelLowering]:
     return dict(_LOWERINGS)
 
@@ -116,18 +138,27 @@ def lowering_named(name: str) -> KernelLowering:
     return _LOWERINGS[name]
 
 
+def cpu_lowering_names() -> tuple[str, ...]:
+    """The values the ``cpu_lowering`` option takes: "auto" and each registered entry that runs on
+    CPU tensors (one that cannot run here falls back to the next that can, as under "auto")."""
+    return ("auto", *sorted(n for n, e in _LOWERINGS.items() if "cpu" in e.device_types))
+
+
 def preference(opts: dict) -> tuple[str, ...]:
-    """The lowerings to try, first that applies wins. Off the CPU only "triton" and "op" apply."""
+    """The lowerings to try, first that applies wins, by priority. ``lowering`` forces one entry;
+    ``cpu_lowering`` other than "auto" replaces the automatic CPU-only entries by the one it names
+    (entries that also run off the CPU stay, so a CUDA model still gets its kernels)."""
     forced = opts.get("lowering")
     if forced is not None:
         return (forced,)
     choice = opts.get("cpu_lowering", "auto")
+    inner = opts.get("inner", "inductor")
+    ranked = sorted(_LOWERINGS.values(), key=lambda e: -e.priority)
     if choice == "auto":
-        cpu_fallback = "decomposed" if opts.get("inner", "inductor") == "inductor" else "op"
-        return ("triton", "native", cpu_fallback, "op")
-    if choice == "native":
-        return ("triton", "native", "op")
-    return ("triton", choice, "op")
+        return tuple(e.name for e in ranked
+                     if e.automatic and (e.auto_inner is None or inner in e.auto_inner))
+    return tuple(e.name for e in ranked
+                 if e.name == choice or (e.automatic and e.device_types != ("cpu",)))
 
 
 def choose_lowering(opts: dict, weight: Optional[torch.Tensor], rows_contiguous: bool = True,
@@ -257,10 +288,17 @@ def emit_triton(graph, m: SparseMLPNodes) -> fx.Node:
                                {"check": False})
 
 
+def always(opts: dict, device: str) -> bool:
+    return True
+
+
+# Under Inductor the decomposed form beats the custom op on CPU (the op's Python call per layer would
+# cost more than it saves); under eager the custom op is the faster of the two.
+register_lowering(KernelLowering("triton", ("cuda", "cpu"), None, triton_available, emit_triton, priority=40))
 register_lowering(KernelLowering("native", ("cpu",), (torch.float32, torch.bfloat16, torch.float16), cpu_ops_available,
-                                 emit_native,
-                                 needs_contiguous_rows=True, emit_int8_topk=emit_native_int8_topk,
+                                 emit_native, priority=30, needs_contiguous_rows=True,
+                                 emit_int8_topk=emit_native_int8_topk,
                                  emit_int8_values_mlp=emit_native_int8_values_mlp))
-register_lowering(KernelLowering("decomposed", ("cpu",), None, lambda opts, device: True, emit_decomposed))
-register_lowering(KernelLowering("op", ("cpu", "cuda"), None, lambda opts, device: True, emit_custom_op))
-register_lowering(KernelLowering("triton", ("cuda", "cpu"), None, triton_available, emit_triton))
+register_lowering(KernelLowering("decomposed", ("cpu",), None, always, emit_decomposed, priority=20,
+                                 auto_inner=("inductor",)))
+register_lowering(KernelLowering("op", ("cpu", "cuda"), None, always, emit_custom_op, priority=10))

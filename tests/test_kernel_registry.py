@@ -1,0 +1,79 @@
+"""A kernel backend is one registration: a new sparse-MLP lowering entry takes part in the automatic
+choice where its priority says, is accepted by the options, and decodes like the built-in entries."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dejavu_compile.compiler import backend
+from dejavu_compile.compiler.passes import lowering
+from dejavu_compile.testing.tiny import tiny_model
+from tests.helpers import decode_logits, int8_plan, token_ids
+
+
+@pytest.fixture
+def registered():
+    """Registers entries for one test and removes them after."""
+    names = []
+
+    def add(entry):
+        names.append(lowering.register_lowering(entry).name)
+        return entry
+
+    yield add
+    for name in names:
+        lowering.unregister_lowering(name)
+
+
+def torch_copy(name: str, priority: int, calls: list, **kwargs) -> lowering.KernelLowering:
+    """The decomposed lowering under another name, counting the blocks it writes."""
+
+    def emit(graph, nodes):
+        calls.append(nodes.block.layer)
+        return lowering.emit_decomposed(graph, nodes)
+
+    return lowering.KernelLowering(name, ("cpu",), None, lowering.always, emit, priority=priority, **kwargs)
+
+
+def _decode(model, plan, **options):
+    forward = torch.compile(model.forward, backend="dejavu", options={"plan": plan, "inner": "eager", **options})
+    ids = token_ids(tokens=5)
+    return decode_logits(forward, model, ids, [token_ids(tokens=1, seed=s) for s in (1, 2)])
+
+
+def test_a_registered_entry_is_chosen_by_its_priority(registered):
+    model = tiny_model("llama", layers=2)
+    plan = int8_plan(model, density=0.5, values="exact")
+    above, below = [], []
+    registered(torch_copy("torch_copy_high", 35, above))  # above native (30): wins on CPU
+    registered(torch_copy("torch_copy_low", 5, below))  # below op (10): never reached automatically
+    weight = model.model.layers[0].mlp.up_proj.weight
+    assert lowering.choose_lowering({"inner": "eager"}, weight).name == "torch_copy_high"
+    got = _decode(model, plan)
+    assert sorted(set(above)) == [0, 1] and below == []
+    torch._dynamo.reset()
+    reference = _decode(model, plan, lowering="decomposed")
+    torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_a_registered_entry_is_an_option_value_and_can_be_opt_in_only(registered):
+    calls = []
+    registered(torch_copy("torch_copy_opt_in", 50, calls, automatic=False))
+    weight = torch.zeros(4, 4)
+    assert lowering.choose_lowering({"inner": "eager"}, weight).name != "torch_copy_opt_in"
+    assert lowering.choose_lowering({"lowering": "torch_copy_opt_in"}, weight).name == "torch_copy_opt_in"
+    assert lowering.choose_lowering({"cpu_lowering": "torch_copy_opt_in"}, weight).name == "torch_copy_opt_in"
+    assert backend.validate_options({"cpu_lowering": "torch_copy_opt_in"})["cpu_lowering"] == "torch_copy_opt_in"
+    with pytest.raises(backend.DejavuOptionError, match="cpu_lowering"):
+        backend.validate_options({"cpu_lowering": "no_such_entry"})
+
+
+def test_an_entry_off_its_dtypes_is_passed_over(registered):
+    calls = []
+    entry = torch_copy("torch_copy_fp64_only", 60, calls)
+    registered(dataclasses.replace(entry, dtypes=(torch.float64,)))
+    assert lowering.choose_lowering({"inner": "eager"}, torch.zeros(4, 4)).name != "torch_copy_fp64_only"
+    assert lowering.choose_lowering({"inner": "eager"}, torch.zeros(4, 4, dtype=torch.float64)).name \
+        == "torch_copy_fp64_only"
