@@ -362,6 +362,7 @@ def bench(argv=None) -> int:
 
 def calibrate_cmd(argv=None) -> int:
     from dejavu_compile.calibration.calibrate import DEFAULT_MAX_TOKENS, calibrate
+    from dejavu_compile.plan import predictors
 
     ap = _Parser(prog="dejavu-compile calibrate",
                  description="Calibrate a Deja Vu sparsity plan; writes a plan directory.")
@@ -377,7 +378,7 @@ def calibrate_cmd(argv=None) -> int:
     ap.add_argument("--texts", default=None, help="text file to calibrate on (default: bundled Wikipedia split)")
     ap.add_argument("--max-tokens", type=_positive_int, default=DEFAULT_MAX_TOKENS)
     ap.add_argument("--rank", type=_positive_int, default=None)
-    ap.add_argument("--predictor", choices=("auto", "lowrank", "int8", "int4"), default="auto",
+    ap.add_argument("--predictor", choices=("auto", *predictors.option_names()), default="auto",
                     help="lowrank: Deja Vu-style with lookahead; int8: the block's own gate/up in int8 (near-oracle); "
                          "int4: gate/up in 4 bits fitted to the calibration activations (learned, near-oracle, no "
                          "fast kernel yet); auto: int8 for gated MLPs on CPU, else lowrank")

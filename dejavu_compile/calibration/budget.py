@@ -1,39 +1,19 @@
 """Choosing k per layer under a density budget.
 
-Two ways. `uniform`: every layer keeps the same share (the near-oracle int8 and int4 predictors
-use it: on SmolLM2 at 50% density it beat the greedy allocation below by 0.8-1.8 pp of held-out
-perplexity, because 1 - captured mass is a poor measure of what a layer's error costs the model;
-weighting it by the dropped neurons' output energy, or by each layer's own measured perplexity
-cost, did worse still). `allocate`, greedy: each layer has a curve loss_l(k) measured on calibration
-tokens (here 1 - share of |activation| mass the predictor's top-k keeps). Greedy allocation: start
-dense, repeatedly lower the k of the layer whose next step down costs the least loss per neuron
-removed, until the average density reaches the target. Layers whose first step is expensive stay
-dense. k stays fixed per layer (static shapes for compilation) and on a grid (multiples of
-`multiple`, kernel friendly).
+Two ways. Uniform (``plan.rules.uniform_k``): every layer keeps the same share (the near-oracle int8
+and int4 predictors use it: on SmolLM2 at 50% density it beat the greedy allocation below by 0.8-1.8
+pp of held-out perplexity, because 1 - captured mass is a poor measure of what a layer's error costs
+the model; weighting it by the dropped neurons' output energy, or by each layer's own measured
+perplexity cost, did worse still). `allocate`, greedy: each layer has a curve loss_l(k) measured on
+calibration tokens (here 1 - share of |activation| mass the predictor's top-k keeps). Greedy
+allocation: start dense, repeatedly lower the k of the layer whose next step down costs the least
+loss per neuron removed, until the average density reaches the target. Layers whose first step is
+expensive stay dense. k stays fixed per layer (static shapes for compilation) and on a grid
+(multiples of `multiple`, kernel friendly).
 """
 from __future__ import annotations
 
 import heapq
-
-
-def k_grid(total: int, min_density: float = 0.125, steps: int = 16, multiple: int = 1) -> list[int]:
-    """Candidate k values from total down to min_density*total (descending, unique, >= 1)."""
-    ks = []
-    for i in range(steps + 1):
-        frac = 1.0 - i * (1.0 - min_density) / steps
-        k = max(1, int(round(frac * total / multiple)) * multiple)
-        k = min(k, total)
-        if not ks or k < ks[-1]:
-            ks.append(k)
-    return ks
-
-
-def uniform(total: int, target_density: float, multiple: int = 1) -> int:
-    """The k nearest target_density * total on the grid of `multiple` (at least one step, at most total)."""
-    if not 0.0 < target_density <= 1.0:
-        raise ValueError(f"target density must be in (0, 1], got {target_density}")
-    k = int(round(target_density * total / multiple)) * multiple
-    return min(total, max(k, min(multiple, total)))
 
 
 def allocate(

@@ -31,8 +31,7 @@ import torch
 
 from dejavu_compile.calibration import budget
 from dejavu_compile.calibration.collect import collect
-from dejavu_compile.compiler.passes.auto_plan import k_multiple
-from dejavu_compile.plan import predictors
+from dejavu_compile.plan import predictors, rules
 from dejavu_compile.plan.predictors.metrics import mass_captured, mass_curve, recall
 from dejavu_compile.plan.predictors.registry import FitInputs
 from dejavu_compile.plan.predictors.twolayer import train_predictor
@@ -47,8 +46,6 @@ from dejavu_compile.plan.sparsity_plan import (
 )
 
 # calibrate's `predictor` option -> (kind for gated MLPs, kind for plain MLPs or None: gated only)
-PREDICTOR_OPTIONS = {"lowrank": ("glu_lowrank", "twolayer"), "int8": ("glu_int8", None), "int4": ("glu_int4", None)}
-DEFAULT_MLP_DENSITY = {"int8": 0.6, "int4": 0.6, "lowrank": 0.98}
 DEFAULT_RANK_FRACTION = 0.25  # predictor rank r = fraction * d (per projection of the low-rank gated predictor)
 DEFAULT_MAX_TOKENS = 8192
 DEFAULT_SEQ_LEN = 256
@@ -144,7 +141,7 @@ def calibrate(
 
     texts: list of strings, a single string, or None for the bundled Wikipedia calibration split.
     mlp_density / attn_density: target average fraction of MLP neurons / query heads kept (mlp_density
-        None: the predictor's default, DEFAULT_MLP_DENSITY).
+        None: the predictor kind's ``default_density``).
     lookahead: predictors read the previous block's input (can run beside it). None: with the
         low-rank predictor (Deja Vu's setting), not with int4; never with int8 (it is the block's own
         projection).
@@ -225,8 +222,8 @@ def calibrate(
 
 
 def _check_choices(predictor: str, values: str, allocation: str) -> None:
-    if predictor != "auto" and predictor not in PREDICTOR_OPTIONS:
-        raise ValueError(f"predictor must be 'auto', 'lowrank', 'int8' or 'int4', got {predictor!r}")
+    if predictor != "auto":
+        predictors.option_kinds(predictor)  # raises, naming the registered aliases
     if values not in ("auto", "exact", "predictor"):
         raise ValueError(f"values must be 'auto', 'exact' or 'predictor', got {values!r}")
     if allocation not in ("auto", "uniform", "greedy"):
@@ -297,25 +294,26 @@ def choose_options(model, data: CalibrationData, predictor, values, lookahead, m
     """Resolve the "auto" options from the matched blocks and the model's device."""
     all_gated = all(data.mlp_blocks[l].gated for l in data.samples)
     if predictor == "auto":
-        on_cpu = next(model.parameters()).device.type == "cpu"
-        predictor = "int8" if on_cpu and all_gated else "lowrank"
-    gated_kind, plain_kind = PREDICTOR_OPTIONS[predictor]
-    kind = predictors.get(gated_kind)
+        predictor = predictors.auto_option(next(model.parameters()).device.type, all_gated)
+    kind, plain_kind = predictors.option_kinds(predictor)
     if values == "auto":
         values = "predictor" if kind.gives_values else "exact"
     if values == "predictor" and not kind.gives_values:
-        raise ValueError("values='predictor' takes the kept neurons' values from the int8 predictor: "
-                         "use predictor='int8' (or values='exact')")
+        givers = [o for o in predictors.option_names() if predictors.option_kinds(o)[0].gives_values]
+        raise ValueError(f"values='predictor' takes the kept neurons' values from the predictor: use predictor="
+                         f"{' or '.join(map(repr, givers))} (or values='exact')")
     if kind.needs_own_input:
         lookahead = False  # it is the block's own projection: it needs the block's own input
     elif lookahead is None:
-        lookahead = predictor == "lowrank"
+        lookahead = kind.default_lookahead
     if allocation == "auto":
-        allocation = "uniform" if kind.quantized else "greedy"
+        allocation = kind.default_allocation
     if plain_kind is None and not all_gated:
+        plain = [o for o in predictors.option_names() if predictors.option_kinds(o)[1] is not None]
         raise ValueError(f"predictor={predictor!r} scores gated MLPs (act(gate(x)) * up(x)) with a copy of their "
-                         "weights; this model's MLPs are plain (act(up(x))): use predictor='lowrank'")
-    density = DEFAULT_MLP_DENSITY[predictor] if mlp_density is None else mlp_density
+                         f"weights; this model's MLPs are plain (act(up(x))): use predictor="
+                         f"{' or '.join(map(repr, plain))}")
+    density = kind.default_density if mlp_density is None else mlp_density
     return Options(predictor, values, lookahead, density, allocation)
 
 
@@ -339,9 +337,9 @@ def fit_layers(model, data: CalibrationData, options: Options, fit_idx, val_idx,
 
 def fit_mlp_predictor(model, s, block, options: Options, fit_idx, val_idx, rank: int, min_density: float,
                       train_steps: int, seed: int, element_size: int) -> LayerFit:
-    gated_kind, plain_kind = PREDICTOR_OPTIONS[options.predictor]
-    name = gated_kind if block.gated else plain_kind
-    kind = predictors.get(name)
+    gated_kind, plain_kind = predictors.option_kinds(options.predictor)
+    kind = gated_kind if block.gated else plain_kind
+    name = kind.name
     x_in = s.attn_input if options.lookahead else s.mlp_input  # lookahead: this layer's attention input
     total = s.mlp_importance.shape[1]
     tensors = kind.fit(FitInputs(
@@ -352,12 +350,11 @@ def fit_mlp_predictor(model, s, block, options: Options, fit_idx, val_idx, rank:
     with torch.no_grad():
         scores = kind.scores(tensors, x_in[val_idx], block.activation)
     importance = s.mlp_importance[val_idx]
-    multiple = k_multiple(total)
-    grid = budget.k_grid(total, min_density, 20, multiple=multiple)
-    dense_bytes = (3 if block.gated else 2) * block.hidden_size * total * element_size
+    multiple = rules.k_multiple(total)
+    grid = rules.k_grid(total, min_density, 20, multiple=multiple)
     curve = {k: 1.0 - m for k, m in mass_curve(scores, importance, grid).items()}
     return LayerFit(name, tensors, scores, importance, curve, multiple,
-                    kind.read_bytes(tensors, element_size) / dense_bytes)
+                    rules.predictor_share(kind, tensors, block.gated, block.hidden_size, total, element_size))
 
 
 def fit_head_predictor(fit: LayerFit, s, previous, fit_idx, val_idx, min_density: float, seed: int) -> None:
@@ -371,7 +368,7 @@ def fit_head_predictor(fit: LayerFit, s, previous, fit_idx, val_idx, min_density
         fit.attn_scores = p(xa[val_idx])
     fit.attn_tensors = p.tensors()
     fit.attn_importance = s.attn_importance[val_idx]
-    grid = budget.k_grid(heads, min(min_density, 1.0 / heads), heads)
+    grid = rules.k_grid(heads, min(min_density, 1.0 / heads), heads)
     fit.attn_curve = {k: 1.0 - m for k, m in mass_curve(fit.attn_scores, fit.attn_importance, grid).items()}
 
 
@@ -379,14 +376,13 @@ def allocate_k(fits: dict[int, LayerFit], options: Options, density: float, attn
                dense_when_unprofitable: bool) -> tuple[dict[int, int], dict[int, int]]:
     """Kept neurons and heads per layer for an average MLP `density`."""
     if options.allocation == "uniform":
-        kmlp = {l: budget.uniform(f.neurons, density, f.grid_multiple) for l, f in fits.items()}
+        kmlp = {l: rules.uniform_k(f.neurons, density, f.grid_multiple) for l, f in fits.items()}
     else:
         kmlp = budget.allocate({l: f.mlp_curve for l, f in fits.items()}, {l: f.neurons for l, f in fits.items()},
                                density)
     if dense_when_unprofitable:  # a layer whose rows plus predictor outweigh the dense block
-        row_share = 1 / 3 if options.values == "predictor" else 1.0  # of the block's bytes a kept neuron reads
-        kmlp = {l: (fits[l].neurons if row_share * k / fits[l].neurons + fits[l].predictor_cost >= 1.0 else k)
-                for l, k in kmlp.items()}
+        kmlp = {l: (k if rules.sparse_pays(k, fits[l].neurons, options.values, fits[l].predictor_cost)
+                    else fits[l].neurons) for l, k in kmlp.items()}
     if attn_density < 1.0:
         katt = budget.allocate({l: f.attn_curve for l, f in fits.items()}, {l: f.heads for l, f in fits.items()},
                                attn_density)
@@ -416,7 +412,8 @@ def build_entries(fits: dict[int, LayerFit], data: CalibrationData, options: Opt
         if ka is None or ka >= heads:
             entries[(l, "attention")] = PlanEntry(l, "attention", heads, heads)
         else:
-            entries[(l, "attention")] = PlanEntry(l, "attention", ka, heads, "twolayer", f.attn_tensors,
+            head = predictors.head_kind().name
+            entries[(l, "attention")] = PlanEntry(l, "attention", ka, heads, head, f.attn_tensors,
                                                   lookahead=options.lookahead and l > 0,
                                                   stats=_stats(f.attn_scores, f.attn_importance, ka))
     return entries
@@ -506,13 +503,7 @@ def _stats(scores, importance, k: int) -> dict:
 
 
 def _weight_rows(model, ref) -> torch.Tensor:
-    """A projection's weight as (F, d) rows, whatever its layout (nn.Linear, Conv1D, fused)."""
-    w = model.get_parameter(ref.name).detach().float()
-    if ref.layout == "in_out":
-        w = w.t()
-    if ref.rows is not None:
-        w = w[ref.rows[0] : ref.rows[1]]
-    return w
+    return rules.weight_rows(model.get_parameter(ref.name), ref.layout, ref.rows).float()
 
 
 def _split(n: int, frac: float = 0.8, seed: int = 0):

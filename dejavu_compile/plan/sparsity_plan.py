@@ -59,9 +59,8 @@ HEAD_CANDIDATES = 64
 HEAD_MIN_ROWS = 4096
 DOWN_ROWS = ("model", "bfloat16")
 DEFAULT_DOWN_ROWS = "bfloat16"  # calibrate()'s default
-# Format 1 named the predictor by its nonlinearity; its tensors A/B/a/b map through each kind's v1_names.
-V1_PREDICTORS = {"none": "twolayer", "relu": "twolayer_relu", "glu": "glu_lowrank", "glu_int8": "glu_int8",
-                 "glu_int4": "glu_int4", "dense": None}
+# Format 1 named the predictor by its nonlinearity (each kind's v1_code); its tensors A/B/a/b map
+# through each kind's v1_names.
 
 
 @dataclass(eq=False)  # compared by identity: == on tensor fields is ambiguous (and Dynamo compares backend options)
@@ -485,9 +484,7 @@ def _json_int(record: dict, key: str) -> int:
 def _v1_predictor(record: dict, stored: dict[str, torch.Tensor]) -> tuple[str | None, dict[str, torch.Tensor]]:
     """A format-1 record's predictor name and tensors, renamed as its kind names them."""
     nonlinearity = record.get("nonlinearity", "none")
-    if nonlinearity not in V1_PREDICTORS:
-        raise ValueError(f"unknown nonlinearity {nonlinearity!r}")
-    name = V1_PREDICTORS[nonlinearity]
+    name = predictors.v1_kind(nonlinearity)
     if not stored:
         return None, {}  # format 1 wrote tensorless (dense) entries with any nonlinearity
     if name is None:

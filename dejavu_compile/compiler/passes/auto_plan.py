@@ -21,8 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from dejavu_compile.compiler.blocks import MLPBlock, WeightRef
 from dejavu_compile.compiler.passes.head_screen import output_head
-from dejavu_compile.plan import predictors
-from dejavu_compile.plan.predictors.glu_int8 import int8_glu_predictor
+from dejavu_compile.plan import predictors, rules
 from dejavu_compile.plan.sparsity_plan import DEFAULT_DOWN_ROWS, PlanEntry, SparsityPlan, default_head_candidates
 
 log = logging.getLogger("dejavu_compile")
@@ -37,27 +36,8 @@ _hint_logged = False
 _entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def k_multiple(total: int) -> int:
-    """The step of a layer's k, for calibrate and this pass alike: multiples of 32 from 512 neurons,
-    which the sparse kernels split into equal parts (bags, blocks); another k works too, padded."""
-    return 32 if total >= 512 else 1
-
-
-def uniform_k(total: int, density: float) -> int:
-    """Neurons kept at ``density``: ``calibration.budget.uniform`` on the ``k_multiple`` grid."""
-    multiple = k_multiple(total)
-    k = int(round(density * total / multiple)) * multiple
-    return min(total, max(k, min(multiple, total)))
-
-
 def _rows(ref: WeightRef, tensor: torch.Tensor) -> torch.Tensor:
-    """A projection weight as (F, d) rows, whatever its layout."""
-    w = tensor.detach()
-    if ref.layout == "in_out":
-        w = w.t()
-    if ref.rows is not None:
-        w = w[ref.rows[0]:ref.rows[1]]
-    return w
+    return rules.weight_rows(tensor, ref.layout, ref.rows)
 
 
 def _state(tensor: torch.Tensor) -> tuple:
@@ -74,18 +54,16 @@ def gated_entry(block: MLPBlock, values: dict, density: float) -> PlanEntry:
     if key in cached:
         return cached[key]
     total = block.intermediate_size
-    k = uniform_k(total, density)
+    k = rules.uniform_k(total, density, rules.k_multiple(total))
     # the int8 rows hold no biases: a block with gate/up biases computes its kept neurons exactly
     values_from = "predictor" if block.gate.bias_node is None and block.up.bias_node is None else "exact"
-    tensors = int8_glu_predictor(_rows(block.gate, gate), _rows(block.up, up))
-    element_size = gate.element_size()
-    dense_bytes = 3 * block.hidden_size * total * element_size
-    predictor_share = predictors.get("glu_int8").read_bytes(tensors, element_size) / dense_bytes
-    row_share = 1 / 3 if values_from == "predictor" else 1.0  # of the block's bytes a kept neuron reads
-    if k >= total or row_share * k / total + predictor_share >= 1.0:
+    kind = predictors.training_free_kind()
+    tensors = kind.from_weights(_rows(block.gate, gate), _rows(block.up, up))
+    share = rules.predictor_share(kind, tensors, True, block.hidden_size, total, gate.element_size())
+    if not rules.sparse_pays(k, total, values_from, share):
         entry = PlanEntry(block.layer, "mlp", total, total)
     else:
-        entry = PlanEntry(block.layer, "mlp", k, total, "glu_int8", tensors, block.activation, lookahead=False,
+        entry = PlanEntry(block.layer, "mlp", k, total, kind.name, tensors, block.activation, lookahead=False,
                           values=values_from)
     cached[key] = entry
     return entry
@@ -108,9 +86,10 @@ def training_free_plan(match, values: dict, density: float, head_rows: int | Non
                                                           block.intermediate_size)
         else:
             entries[(block.layer, "attention")] = PlanEntry(block.layer, "attention", block.num_heads, block.num_heads)
-    settings = {"method": "training-free-int8", "predictor": "int8", "values": "auto", "allocation": "uniform",
-                "target_mlp_density": density, "head_candidates": default_head_candidates(head_rows),
-                "down_rows": DEFAULT_DOWN_ROWS}
+    kind = predictors.training_free_kind()
+    settings = {"method": f"training-free-{kind.option}", "predictor": kind.option, "values": "auto",
+                "allocation": "uniform", "target_mlp_density": density,
+                "head_candidates": default_head_candidates(head_rows), "down_rows": DEFAULT_DOWN_ROWS}
     return SparsityPlan(entries, {}, settings)
 
 

@@ -44,7 +44,7 @@ def int8_constants(gm, graph, entry, prefix: str, device) -> tuple[fx.Node, fx.N
     operands of the fused C++ int8 ops."""
     assert entry.predictor_kind.int8_rows, entry.predictor
     nodes, _ = predictor_constants(gm, graph, entry, prefix, torch.float32, device)
-    return nodes["rows"], nodes["scales"]
+    return entry.predictor_kind.int8_operands(nodes)
 
 
 def emit_values(gm, graph, entry, x2d: fx.Node, prefix: str, dtype, device) -> fx.Node:

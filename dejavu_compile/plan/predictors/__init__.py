@@ -9,7 +9,20 @@
 they are compared with.
 """
 from dejavu_compile.plan.predictors import glu_int4, glu_int8, glu_lowrank, twolayer
-from dejavu_compile.plan.predictors.registry import FitInputs, PredictorKind, get, names, register
+from dejavu_compile.plan.predictors.registry import (
+    FitInputs,
+    PredictorKind,
+    auto_option,
+    get,
+    head_kind,
+    names,
+    option_kinds,
+    option_names,
+    register,
+    training_free_kind,
+    unregister,
+    v1_kind,
+)
 
-__all__ = ["FitInputs", "PredictorKind", "get", "names", "register", "glu_int4", "glu_int8", "glu_lowrank",
-           "twolayer"]
+__all__ = ["FitInputs", "PredictorKind", "auto_option", "get", "head_kind", "names", "option_kinds", "option_names",
+           "register", "training_free_kind", "unregister", "v1_kind", "glu_int4", "glu_int8", "glu_lowrank", "twolayer"]

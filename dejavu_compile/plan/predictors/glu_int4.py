@@ -124,6 +124,8 @@ class GluInt4(PredictorKind):
     name = "glu_int4"
     v1_names = {"A": "codes", "a": "scales", "b": "bias"}
     quantized = needs_gate = True
+    v1_code = "glu_int4"
+    option, default_density = "int4", 0.6
     graph_scores = staticmethod(glu_int4_scores)
 
     def fit(self, data: FitInputs) -> dict[str, torch.Tensor]:

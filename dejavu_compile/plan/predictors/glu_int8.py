@@ -47,12 +47,20 @@ def int8_glu_predictor(gate_weight: torch.Tensor, up_weight: torch.Tensor) -> di
 class GluInt8(PredictorKind):
     name = "glu_int8"
     v1_names = {"A": "rows", "a": "scales"}
-    quantized = needs_gate = needs_own_input = gives_values = int8_rows = True
+    quantized = needs_gate = needs_own_input = gives_values = int8_rows = training_free = True
+    v1_code = "glu_int8"
+    option, default_density, auto_devices = "int8", 0.6, ("cpu",)
     graph_scores = staticmethod(glu_int8_scores)
     graph_values = staticmethod(glu_int8_values)
 
     def fit(self, data: FitInputs) -> dict[str, torch.Tensor]:
         return int8_glu_predictor(data.gate, data.up)
+
+    def from_weights(self, gate, up):
+        return int8_glu_predictor(gate, up)
+
+    def int8_operands(self, nodes):
+        return nodes["rows"], nodes["scales"]
 
     def validate(self, tensors, total):
         rows, scales = tensors.get("rows"), tensors.get("scales")

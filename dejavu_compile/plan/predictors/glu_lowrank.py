@@ -76,6 +76,8 @@ class GluLowRank(PredictorKind):
     name = "glu_lowrank"
     v1_names = {"A": "in_proj", "a": "in_bias", "B": "out_proj"}
     needs_gate = True
+    v1_code = "glu"
+    option, default_density, default_lookahead = "lowrank", 0.98, True
     graph_scores = staticmethod(glu_lowrank_scores)
 
     def fit(self, data: FitInputs) -> dict[str, torch.Tensor]:

@@ -44,6 +44,9 @@ class TwoLayer(PredictorKind):
     def __init__(self, relu: bool):
         self.relu = relu
         self.name = "twolayer_relu" if relu else "twolayer"
+        self.v1_code = "relu" if relu else "none"
+        if not relu:  # the plain-MLP half of the "lowrank" alias, and the head predictor
+            self.option, self.default_density, self.default_lookahead, self.for_heads = "lowrank", 0.98, True, True
 
     def fit(self, data: FitInputs) -> dict[str, torch.Tensor]:
         return train_predictor(data.x, data.importance, data.k, rank=data.rank, relu=self.relu, loss="bce",
