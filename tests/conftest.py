@@ -12,7 +12,7 @@ os.environ.setdefault("DEJAVU_TRITON_AUTOTUNE", "0")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
                       str(pathlib.Path(__file__).resolve().parent.parent / ".cache" / "inductor"))
 
-import pytest  # noqa: E402
+import pytest
 
 pytest_plugins = ["dejavu_compile.testing.pytest_plugin"]
 
@@ -26,3 +26,11 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Every internal buffer starts as NaN: a kernel that leaves part of one unwritten fails."""
+    from dejavu_compile.kernels import _common
+
+    monkeypatch.setattr(_common, "POISON_BUFFERS", True)

@@ -8,11 +8,8 @@ import torch
 from dejavu_compile.errors import DejavuOptionError
 from dejavu_compile.testing import describe_difference
 from dejavu_compile.testing.tiny import tiny_model
-from tests.test_sparse_backend import predictor_values_reference
-
-
-def _ids(batch=1, tokens=1, seed=0):
-    return torch.randint(3, 120, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+from tests.helpers import token_ids
+from tests.references import predictor_values_reference
 
 
 def _compile(model, options, ids):
@@ -27,14 +24,14 @@ def _calibrated_default_plan(model):
     from dejavu_compile.calibration.calibrate import calibrate
     from dejavu_compile.calibration.collect import collect
 
-    samples, _ = collect(model, [_ids(1, 24, seed) for seed in range(2)], progress=False)
+    samples, _ = collect(model, [token_ids(1, 24, seed) for seed in range(2)], progress=False)
     return calibrate(model, None, samples=samples, progress=False)
 
 
 def test_mlp_density_builds_the_plan_calibrate_makes_by_default():
     model = tiny_model("llama", intermediate=320)
     calibrated = _calibrated_default_plan(model)
-    _, reports = _compile(model, {"mlp_density": 0.6, "inner": "eager", "strict": True}, _ids(2))
+    _, reports = _compile(model, {"mlp_density": 0.6, "inner": "eager", "strict": True}, token_ids(2, 1))
     built = reports[-1].plan
     assert set(built.entries) == set(calibrated.entries)
     for key, want in calibrated.entries.items():
@@ -50,7 +47,7 @@ def test_mlp_density_builds_the_plan_calibrate_makes_by_default():
 def test_one_line_start_decodes_as_the_calibrated_plans_reference(inner):
     model = tiny_model("llama", intermediate=320)
     calibrated = _calibrated_default_plan(model)
-    ids = _ids(3)
+    ids = token_ids(3, 1)
     expected = predictor_values_reference(model, calibrated, ids)
     got, reports = _compile(model, {"mlp_density": 0.6, "inner": inner, "strict": True}, ids)
     assert reports[-1].pass_counts["auto_plan"] == 2 and reports[-1].pass_counts["sparse_mlp"] == 2
@@ -60,27 +57,28 @@ def test_one_line_start_decodes_as_the_calibrated_plans_reference(inner):
 
 
 def test_the_plan_is_built_once_per_model(monkeypatch):
-    from dejavu_compile.compiler.passes import auto_plan
+    from dejavu_compile.plan import predictors
 
     fits = []
-    real = auto_plan.int8_glu_predictor
-    monkeypatch.setattr(auto_plan, "int8_glu_predictor", lambda g, u: fits.append(1) or real(g, u))
+    kind = predictors.training_free_kind()
+    real = kind.from_weights
+    monkeypatch.setattr(kind, "from_weights", lambda g, u: fits.append(1) or real(g, u))
     model = tiny_model("llama")
     options = {"mlp_density": 0.5, "inner": "eager", "strict": True}
-    _compile(model, options, _ids(1, 4))  # prefill graph
-    _compile(model, options, _ids(1, 1))  # decode graph
+    _compile(model, options, token_ids(1, 4))  # prefill graph
+    _compile(model, options, token_ids(1, 1))  # decode graph
     torch._dynamo.reset()
-    _compile(model, options, _ids(2, 1))  # recompiled
+    _compile(model, options, token_ids(2, 1))  # recompiled
     assert len(fits) == model.config.num_hidden_layers
     with torch.no_grad():  # new weights, new predictor
         model.model.layers[0].mlp.up_proj.weight.mul_(2)
-    _compile(model, options, _ids(3, 1))
+    _compile(model, options, token_ids(3, 1))
     assert len(fits) == model.config.num_hidden_layers + 1
 
 
 def test_plain_mlps_stay_dense_and_are_reported():
     model = tiny_model("opt")
-    ids = _ids(2)
+    ids = token_ids(2, 1)
     got, reports = _compile(model, {"mlp_density": 0.5, "inner": "eager", "strict": True}, ids)
     report = reports[-1]
     assert not report.rewritten and all(e.dense for e in report.plan.entries.values())
@@ -95,7 +93,7 @@ def test_without_options_the_backend_says_once_how_to_turn_sparsity_on(monkeypat
     monkeypatch.setattr(auto_plan, "_hint_logged", False)
     model = tiny_model("llama")
     with caplog.at_level(logging.WARNING, logger="dejavu_compile"):
-        for ids in (_ids(1, 4), _ids(1, 1), _ids(2, 1)):
+        for ids in (token_ids(1, 4), token_ids(1, 1), token_ids(2, 1)):
             torch._dynamo.reset()
             got, reports = _compile(model, {}, ids)
             assert not reports[-1].rewritten
@@ -108,7 +106,7 @@ def test_without_options_the_backend_says_once_how_to_turn_sparsity_on(monkeypat
 def test_bad_mlp_density_is_a_clear_error(density):
     model = tiny_model("llama")
     with pytest.raises(DejavuOptionError, match=r"option 'mlp_density' must be a number in \(0, 1\]"):
-        _compile(model, {"mlp_density": density}, _ids())
+        _compile(model, {"mlp_density": density}, token_ids(1, 1))
 
 
 def test_plan_and_mlp_density_together_is_an_error():
@@ -116,4 +114,4 @@ def test_plan_and_mlp_density_together_is_an_error():
 
     model = tiny_model("llama")
     with pytest.raises(DejavuOptionError, match="'plan' and 'mlp_density' exclude each other"):
-        _compile(model, {"plan": SparsityPlan.dense(model), "mlp_density": 0.5}, _ids())
+        _compile(model, {"plan": SparsityPlan.dense(model), "mlp_density": 0.5}, token_ids(1, 1))

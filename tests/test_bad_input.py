@@ -109,7 +109,8 @@ def test_a_format_3_plan_without_its_weight_sample_is_corrupt(tmp_path):
     model, meta = _saved_plan(tmp_path)
     del meta["fingerprint"]["weight_sample"]
     (tmp_path / "plan.json").write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match=r"plan\.json is corrupt: plan format 3 .*'fingerprint\.weight_sample', which is missing"):
+    missing = r"plan\.json is corrupt: plan format 3 .*'fingerprint\.weight_sample', which is missing"
+    with pytest.raises(ValueError, match=missing):
         SparsityPlan.load(tmp_path)
 
 

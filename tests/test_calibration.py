@@ -4,46 +4,27 @@ from __future__ import annotations
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
-from dejavu_compile.calibration import budget  # noqa: E402
-from dejavu_compile.calibration.collect import collect  # noqa: E402
-from dejavu_compile.calibration.calibrate import calibrate  # noqa: E402
-from dejavu_compile.plan.sparsity_plan import SparsityPlan  # noqa: E402
-from dejavu_compile.plan.predictors.baselines import teal_input_mask  # noqa: E402
-from dejavu_compile.plan.predictors.glu_lowrank import fit_glu_predictor, glu_scores  # noqa: E402
-from dejavu_compile.plan.predictors.metrics import mass_captured, recall  # noqa: E402
-from dejavu_compile.plan.predictors.twolayer import train_predictor  # noqa: E402
-from dejavu_compile.experiments.quality import (  # noqa: E402
-    MaskedSimulation, TealSelector, oracle_selector, perplexity, plan_selector, random_selector,
+from dejavu_compile.calibration import budget
+from dejavu_compile.calibration.calibrate import calibrate
+from dejavu_compile.calibration.collect import collect
+from dejavu_compile.experiments.quality import (
+    MaskedSimulation,
+    TealSelector,
+    oracle_selector,
+    perplexity,
+    plan_selector,
+    random_selector,
 )
-
-D, FF, H, L, V, PLANT = 64, 256, 4, 2, 97, 6
-
-
-def tiny_llama(seed: int = 0, planted: bool = True):
-    """A 2-layer LLaMA whose gate/up projections have rank PLANT: which neurons fire is a low-rank
-    function of the input (planted contextual sparsity); the large gate scale makes SiLU gate
-    most neurons off for each token."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=FF, num_hidden_layers=L,
-                      num_attention_heads=H, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg).eval()
-    if planted:
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj, scale in ((layer.mlp.gate_proj, 1.0), (layer.mlp.up_proj, 0.3)):
-                    low = torch.randn(FF, PLANT) @ torch.randn(PLANT, D) / D**0.5
-                    proj.weight.copy_(scale * low)
-    return model
-
-
-def batches(n: int = 6, t: int = 64, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, V, (1, t), generator=g) for _ in range(n)]
+from dejavu_compile.plan import predictors, rules
+from dejavu_compile.plan.predictors.baselines import teal_input_mask
+from dejavu_compile.plan.predictors.glu_lowrank import fit_glu_predictor, glu_scores
+from dejavu_compile.plan.predictors.metrics import mass_captured, recall
+from dejavu_compile.plan.predictors.twolayer import train_predictor
+from dejavu_compile.plan.sparsity_plan import SparsityPlan
+from tests.helpers import ByteTokenizer
+from tests.planted import FF, PLANT, D, H, L, V, batches, tiny_llama, tiny_opt
 
 
 def test_collect_shapes_and_subsampling():
@@ -75,7 +56,8 @@ def test_glu_predictor_recovers_planted_sparsity():
     assert recall(sc, s.mlp_importance[val], k) > 0.95
     # a rank too small to hold the planted structure must do clearly worse (the test can fail)
     t1 = fit_glu_predictor(s.mlp_input[fit], s.mlp_input[fit], mlp.gate_proj.weight, mlp.up_proj.weight, rank=1)
-    assert recall(glu_scores(s.mlp_input[val], t1), s.mlp_importance[val], k) < recall(sc, s.mlp_importance[val], k) - 0.1
+    assert (recall(glu_scores(s.mlp_input[val], t1), s.mlp_importance[val], k)
+            < recall(sc, s.mlp_importance[val], k) - 0.1)
 
 
 @pytest.mark.parametrize("relu,loss", [(False, "bce"), (True, "soft")])
@@ -99,8 +81,8 @@ def test_dejavu_predictor_learns_planted_relu_sparsity(relu, loss):
 def test_calibrate_planted_model_hits_density_and_recall():
     model = tiny_llama()
     samples, _ = collect(model, batches(), progress=False)
-    plan = calibrate(model, None, predictor="lowrank", samples=samples, mlp_density=0.5, attn_density=0.75, lookahead=False,
-                     rank=PLANT, progress=False, min_density=0.25)
+    plan = calibrate(model, None, predictor="lowrank", samples=samples, mlp_density=0.5, attn_density=0.75,
+                     lookahead=False, rank=PLANT, progress=False, min_density=0.25)
     assert abs(plan.mlp_density - 0.5) < 0.05
     assert plan.attn_density <= 0.75 + 1e-9
     for l in range(L):
@@ -111,7 +93,8 @@ def test_calibrate_planted_model_hits_density_and_recall():
             idx = e.select(samples[l].mlp_input[:5])
             assert idx.shape == (5, e.k) and idx.dtype == torch.long
     # lookahead predictors exist and are flagged
-    plan_la = calibrate(model, None, predictor="lowrank", samples=samples, mlp_density=0.5, lookahead=True, rank=PLANT, progress=False)
+    plan_la = calibrate(model, None, predictor="lowrank", samples=samples, mlp_density=0.5, lookahead=True, rank=PLANT,
+                        progress=False)
     assert all(plan_la.entry(l, "mlp").lookahead for l in range(L) if not plan_la.entry(l, "mlp").dense)
 
 
@@ -122,8 +105,8 @@ def test_calibrated_head_plan_decodes_through_the_backend():
 
     model = tiny_llama()
     samples, _ = collect(model, batches(), progress=False)
-    plan = calibrate(model, None, predictor="lowrank", samples=samples, mlp_density=1.0, attn_density=0.5, rank=PLANT, progress=False,
-                     min_density=0.25)
+    plan = calibrate(model, None, predictor="lowrank", samples=samples, mlp_density=1.0, attn_density=0.5, rank=PLANT,
+                     progress=False, min_density=0.25)
     heads = [plan.entry(l, "attention") for l in range(L)]
     assert [e.lookahead for e in heads] == [False, True]
     assert all(0.0 <= e.stats["recall"] <= 1.0 for e in heads if not e.dense)
@@ -177,7 +160,7 @@ def test_masking_degrades_gracefully_oracle_beats_random():
 
 def test_budget_allocation_prefers_cheap_layers():
     totals = {0: 100, 1: 100}
-    grid = budget.k_grid(100, 0.1, 9)
+    grid = rules.k_grid(100, 0.1, 9)
     assert grid[0] == 100 and grid[-1] == 10 and grid == sorted(grid, reverse=True)
     # layer 0 loses a lot per neuron removed, layer 1 little
     curves = {0: {k: (100 - k) * 0.05 for k in grid}, 1: {k: (100 - k) * 0.001 for k in grid}}
@@ -189,11 +172,11 @@ def test_budget_allocation_prefers_cheap_layers():
 
 
 def test_uniform_k_is_the_nearest_grid_point():
-    assert budget.uniform(1536, 0.6, 32) == 928 and budget.uniform(1536, 0.5, 32) == 768
-    assert budget.uniform(100, 0.333) == 33 and budget.uniform(100, 1.0) == 100
-    assert budget.uniform(1536, 0.001, 32) == 32 and budget.uniform(16, 0.5, 32) == 16  # one step, at most total
+    assert rules.uniform_k(1536, 0.6, 32) == 928 and rules.uniform_k(1536, 0.5, 32) == 768
+    assert rules.uniform_k(100, 0.333) == 33 and rules.uniform_k(100, 1.0) == 100
+    assert rules.uniform_k(1536, 0.001, 32) == 32 and rules.uniform_k(16, 0.5, 32) == 16  # one step, at most total
     with pytest.raises(ValueError):
-        budget.uniform(100, 0.0)
+        rules.uniform_k(100, 0.0)
 
 
 def test_allocation_is_uniform_for_the_quantized_predictors_and_greedy_for_lowrank():
@@ -204,7 +187,7 @@ def test_allocation_is_uniform_for_the_quantized_predictors_and_greedy_for_lowra
     plan = calibrate(model, None, samples=samples, mlp_density=0.5, predictor="int8", progress=False,
                      dense_when_unprofitable=False)
     assert plan.settings["allocation"] == "uniform"
-    assert {plan.entry(l, "mlp").k for l in range(L)} == {budget.uniform(FF, 0.5)}
+    assert {plan.entry(l, "mlp").k for l in range(L)} == {rules.uniform_k(FF, 0.5)}
     lowrank = calibrate(model, None, samples=samples, mlp_density=0.5, predictor="lowrank", rank=4, progress=False,
                         dense_when_unprofitable=False)
     assert lowrank.settings["allocation"] == "greedy"
@@ -230,29 +213,32 @@ def test_int8_predictor_selects_nearly_the_oracle_set():
             assert e.predictor == "glu_int8" and e.tensors["rows"].dtype == torch.int8
             assert e.stats["recall"] > 0.9
             assert e.predictor_bytes() < 0.2 * 3 * FF * D * 4  # a sixth of the fp32 block (+ scales)
-    lowrank = calibrate(model, None, predictor="lowrank", samples=samples, mlp_density=0.5, rank=4, progress=False, min_density=0.25)
+    lowrank = calibrate(model, None, predictor="lowrank", samples=samples, mlp_density=0.5, rank=4, progress=False,
+                        min_density=0.25)
     sparse = [l for l in range(L) if not lowrank.entry(l, "mlp").dense and not plan.entry(l, "mlp").dense]
-    assert sparse and all(plan.entry(l, "mlp").stats["recall"] > lowrank.entry(l, "mlp").stats["recall"] for l in sparse)
+    assert sparse and all(plan.entry(l, "mlp").stats["recall"] > lowrank.entry(l, "mlp").stats["recall"]
+                          for l in sparse)
 
 
 def test_default_predictor_is_int8_for_gated_mlps_on_cpu_else_lowrank():
-    """calibrate()'s defaults: the int8 predictor at DEFAULT_MLP_DENSITY["int8"] for a gated model on
-    the CPU; Deja Vu's low-rank one at DEFAULT_MLP_DENSITY["lowrank"] for plain MLPs (OPT)."""
-    from dejavu_compile.calibration.calibrate import DEFAULT_MLP_DENSITY
+    """calibrate()'s defaults: the int8 predictor at its kind's default density for a gated model on
+    the CPU; Deja Vu's low-rank one at its default density for plain MLPs (OPT)."""
+    int8_density = predictors.option_kinds("int8")[0].default_density
+    lowrank_density = predictors.option_kinds("lowrank")[0].default_density
 
     gated = tiny_llama(planted=False)
     plan = calibrate(gated, None, samples=collect(gated, batches(), progress=False)[0], progress=False,
                      dense_when_unprofitable=False)
     assert plan.settings["predictor"] == "int8" and not plan.settings["lookahead"]
-    assert plan.settings["target_mlp_density"] == DEFAULT_MLP_DENSITY["int8"]
-    assert abs(plan.mlp_density - DEFAULT_MLP_DENSITY["int8"]) < 0.05
+    assert plan.settings["target_mlp_density"] == int8_density
+    assert abs(plan.mlp_density - int8_density) < 0.05
     sparse = [e for e in plan.entries.values() if e.kind == "mlp" and not e.dense]
     assert sparse and all(e.values == "predictor" for e in sparse)  # values from the int8 predictor
     plain = tiny_opt()
     plan = calibrate(plain, None, samples=collect(plain, batches(), progress=False)[0], progress=False,
                      train_steps=5)
     assert plan.settings["predictor"] == "lowrank" and plan.settings["method"] == "dejavu-lowrank"
-    assert plan.settings["target_mlp_density"] == DEFAULT_MLP_DENSITY["lowrank"]
+    assert plan.settings["target_mlp_density"] == lowrank_density
     assert plan.settings["values"] == "exact" and all(e.values == "exact" for e in plan.entries.values())
 
 
@@ -270,15 +256,6 @@ def test_unknown_predictor_is_a_clear_error():
         calibrate(model, None, samples={}, predictor="int3", progress=False)
 
 
-class _ByteTokenizer:
-    """Characters to ids below the tiny vocabulary: enough for tokenize_chunks."""
-
-    eos_token_id = 0
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [1 + ord(c) % (V - 1) for c in text]}
-
-
 @pytest.mark.parametrize("budget", [0.0, 0.5])
 def test_quality_budget_mode_respects_its_budget(budget):
     """max_ppl_increase picks the lowest density whose calibration-holdout perplexity stays within
@@ -288,14 +265,15 @@ def test_quality_budget_mode_respects_its_budget(budget):
 
     model = tiny_llama(planted=False)
     text = " ".join(f"token{i % 37} word{i % 11}" for i in range(600))
-    plan = calibrate(model, _ByteTokenizer(), texts=[text], max_ppl_increase=budget, max_tokens=512,
+    tokenizer = ByteTokenizer(first=1, count=V - 1, eos_token_id=0)  # ids below the tiny vocabulary
+    plan = calibrate(model, tokenizer, texts=[text], max_ppl_increase=budget, max_tokens=512,
                      seq_len=32, predictor="int8", progress=False)
     assert plan.settings["max_ppl_increase"] == budget
     if plan.mlp_density < 1.0:
         assert plan.settings["holdout_ppl_increase"] <= budget
     from dejavu_compile.calibration.calibrate import split_holdout
 
-    holdout = split_holdout(tokenize_chunks(_ByteTokenizer(), [text], 32, 512 + 1024), 512, 32)[1]  # held out
+    holdout = split_holdout(tokenize_chunks(tokenizer, [text], 32, 512 + 1024), 512, 32)[1]  # held out
     inc = perplexity(model, holdout, plan) / perplexity(model, holdout) - 1.0
     assert inc <= budget + 1e-6
     if budget == 0.5:
@@ -315,27 +293,13 @@ def test_unprofitable_layers_stay_dense():
     assert abs(exact.mlp_density - 0.8) < 0.05 and not all(exact.entry(l, "mlp").dense for l in range(L))
 
 
-def tiny_opt(planted: bool = True, seed: int = 0):
-    """A 2-layer OPT (plain ReLU MLP, Deja Vu's own setting) whose fc1 has rank PLANT and a negative
-    bias: few neurons fire per token, and which ones is a low-rank function of the input."""
-    from dejavu_compile.testing.tiny import tiny_model
-
-    model = tiny_model("opt", seed=seed, hidden=D, intermediate=FF, vocab=V)
-    if planted:
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            for layer in model.model.decoder.layers:
-                layer.fc1.weight.copy_(torch.randn(FF, PLANT) @ torch.randn(PLANT, D) / D**0.5)
-                layer.fc1.bias.fill_(-0.5)
-    return model
-
-
 def test_calibrate_plain_relu_mlp_learns_planted_sparsity():
     """Plain MLPs (OPT, GPT-2) calibrate too: Deja Vu's trained low-rank predictor, high recall."""
     model = tiny_opt()
     samples, _ = collect(model, batches(12), progress=False)
-    plan = calibrate(model, None, predictor="lowrank", samples=samples, mlp_density=0.25, lookahead=False, rank=2 * PLANT,
-                     train_steps=1000, progress=False, min_density=0.125, dense_when_unprofitable=False)
+    plan = calibrate(model, None, predictor="lowrank", samples=samples, mlp_density=0.25, lookahead=False,
+                     rank=2 * PLANT, train_steps=1000, progress=False, min_density=0.125,
+                     dense_when_unprofitable=False)
     assert plan.settings["method"] == "dejavu-lowrank"
     assert abs(plan.mlp_density - 0.25) < 0.05
     for l in range(L):
@@ -344,8 +308,9 @@ def test_calibrate_plain_relu_mlp_learns_planted_sparsity():
         assert e.stats["recall"] > 0.9, e.stats
     # a rank-2 predictor of an unplanted model does much worse: the recall is earned
     unplanted = tiny_opt(planted=False)
-    plain = calibrate(unplanted, None, predictor="lowrank", samples=collect(unplanted, batches(12), progress=False)[0], mlp_density=0.25,
-                      lookahead=False, rank=2, train_steps=1000, progress=False, dense_when_unprofitable=False)
+    plain = calibrate(unplanted, None, predictor="lowrank", samples=collect(unplanted, batches(12), progress=False)[0],
+                      mlp_density=0.25, lookahead=False, rank=2, train_steps=1000, progress=False,
+                      dense_when_unprofitable=False)
     assert min(plan.entry(l, "mlp").stats["recall"] for l in range(L)) > max(
         plain.entry(l, "mlp").stats["recall"] for l in range(L)) + 0.1
 

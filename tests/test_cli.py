@@ -162,8 +162,8 @@ def test_calibrate_and_bench_a_local_model(local, tmp_path, capsys):
                  "--eval-tokens", "64", "--threads", "1", "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     assert "model: tinyllama (llama)" in out and "loaded the plan from" in out
-    for row in ("HF eager", "Inductor dense", "dejavu exact", "dejavu", "held-out perplexity (wiki", "held-out perplexity (news",
-                "machine: ", "1 threads"):
+    for row in ("HF eager", "Inductor dense", "dejavu exact", "dejavu", "held-out perplexity (wiki",
+                "held-out perplexity (news", "machine: ", "1 threads"):
         assert row in out, row
     assert "first words of each output" not in out  # bench: the table only
     record = json.loads(out_json.read_text())

@@ -8,13 +8,15 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dejavu_compile.compiler.passes.dense_linear import MAX_ROWS
 from dejavu_compile.compiler.passes.runner import dejavu_op_nodes
 from dejavu_compile.kernels.cpu import native
 from dejavu_compile.testing.tiny import tiny_model
-from tests.conftest_kernels import HALF_ULP
+from tests.helpers import sparse_plan
+from tests.kernel_reference import HALF_ULP
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(not native.load_ops(), reason=f"C++ ops unavailable: {native._OPS['error']}")
@@ -60,7 +62,8 @@ def test_cpu_linear_matches_float64(lead, d, n, layout, bias, threads, seed, dty
     ref, bound = _reference(x, w, b, dtype)
     assert out.shape == (*lead, n) and out.dtype == dtype
     err = (out.double() - ref).abs()
-    assert bool((err <= bound).all()), f"max error {err.max().item():.3e}, bound there {bound.flatten()[err.argmax()]:.3e}"
+    assert bool((err <= bound).all()), (f"max error {err.max().item():.3e}, "
+                                        f"bound there {bound.flatten()[err.argmax()]:.3e}")
 
 
 SPECIAL_WEIGHTS = {  # signed zeros, subnormals, the extremes: each must widen to its exact value
@@ -154,10 +157,8 @@ def test_prefill_training_and_aten_option_keep_the_traced_projections():
 
 def test_sparse_plan_leaves_its_projections_to_the_sparse_ops():
     """With a plan the MLPs go to the sparse op and only the rest to the GEMV."""
-    from tests.test_sparse_backend import _plan
-
     model = tiny_model("llama", layers=2)
-    _, _, report = _decode(model, {"inner": "eager", "plan": _plan(model, 0.5), "cpu_lowering": "op"})
+    _, _, report = _decode(model, {"inner": "eager", "plan": sparse_plan(model, 0.5), "cpu_lowering": "op"})
     layers = model.config.num_hidden_layers
     assert report.pass_counts["sparse_mlp"] == layers
     assert report.pass_counts["dense_linear"] == _projections(model) - 3 * layers

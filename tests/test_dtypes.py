@@ -21,13 +21,14 @@ import torch
 
 pytest.importorskip("transformers")
 
-from dejavu_compile.calibration.calibrate import calibrate  # noqa: E402
-from dejavu_compile.calibration.collect import collect  # noqa: E402
-from dejavu_compile.compiler.passes.lowering import choose_lowering  # noqa: E402
-from dejavu_compile.kernels import int8_linear  # noqa: E402
-from dejavu_compile.kernels.cpu import native  # noqa: E402
-from dejavu_compile.testing.tiny import tiny_model  # noqa: E402
-from tests.helpers import ByteTokenizer  # noqa: E402
+from dejavu_compile.calibration.calibrate import calibrate
+from dejavu_compile.calibration.collect import collect
+from dejavu_compile.compiler.passes.lowering import choose_lowering
+from dejavu_compile.kernels import int8_linear
+from dejavu_compile.kernels.cpu import native
+from dejavu_compile.testing.tiny import tiny_model
+from tests.helpers import ByteTokenizer, token_ids
+from tests.references import int8_predictor_values
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 TEXT = " ".join(f"token{i % 37} word{i % 11}" for i in range(60))
@@ -69,9 +70,8 @@ def masked_logits(model, plan, ids, selection=None):
                 selection[layer] = entry.scores(s.reshape(-1, s.shape[-1])).topk(entry.k, dim=-1).indices
             if entry.values == "predictor" and record:  # as the graph computes them: fp32, then cast
                 hidden = entry.predictor_kind.graph_values(flat.float(), **entry.tensors).to(flat.dtype)
-            elif entry.values == "predictor":
-                rows = entry.tensors["rows"].double() * entry.tensors["scales"].double()[:, None]
-                hidden = torch.nn.functional.silu(flat @ rows[:entry.total].T) * (flat @ rows[entry.total:].T)
+            elif entry.values == "predictor":  # the float64 model: its input is float64
+                hidden = int8_predictor_values(entry, flat)
             else:
                 hidden = module.act_fn(module.gate_proj(flat)) * module.up_proj(flat)
             mask = torch.zeros_like(hidden).scatter(-1, selection[layer], 1.0)
@@ -116,7 +116,7 @@ def test_half_model_calibrates_compiles_and_decodes_like_float64(dtype, predicto
                      mlp_density=0.5, train_steps=50, progress=False)
     assert plan.settings["quality"] is not None  # measured through the masked simulation in `dtype`
     assert all(not e.dense for (_, kind), e in plan.entries.items() if kind == "mlp")
-    ids = torch.randint(3, 120, (2, 1), generator=torch.Generator().manual_seed(0))  # one decode step, batch 2
+    ids = token_ids(2, 1)  # one decode step, batch 2
     references, dense = float64_references(model, plan, ids)
     tol = TOLERANCE[dtype]
     assert min(_relative(dense, r) for r in references) > 3 * tol  # the plan moves the logits past the tolerance

@@ -8,10 +8,7 @@ from torch._dynamo.utils import counters
 import dejavu_compile
 from dejavu_compile.testing import assert_matches_eager, describe_difference, greedy_generate
 from dejavu_compile.testing.tiny import ARCHITECTURES, tiny_model
-
-
-def _ids(batch=1, tokens=6, seed=0):
-    return torch.randint(3, 120, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+from tests.helpers import token_ids
 
 
 def _generate(model, ids, cache, compiled_options=None):
@@ -22,7 +19,7 @@ def _generate(model, ids, cache, compiled_options=None):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_compiled_matches_eager(arch, inner):
     model = tiny_model(arch)
-    ids = _ids()
+    ids = token_ids()
     counters.clear()
     with torch.no_grad():
         expected = model(ids).logits
@@ -41,7 +38,7 @@ def test_compiled_matches_eager(arch, inner):
 
 def test_assert_matches_eager_helper_passes_and_fails_readably():
     model = tiny_model("llama", layers=1)
-    ids = _ids()
+    ids = token_ids()
     assert_matches_eager(model, ids, dejavu_options={"inner": "eager"})
     assert_matches_eager(model.generate, ids, max_new_tokens=4, do_sample=False,
                          dejavu_options={"inner": "eager"})
@@ -74,16 +71,16 @@ def test_assert_matches_eager_helper_passes_and_fails_readably():
 def test_pytest_plugin_fixture(dejavu_equivalence):
     """The fixture users get from ``pytest_plugins = ["dejavu_compile.testing.pytest_plugin"]``."""
     model = tiny_model("gpt2", layers=1)
-    dejavu_equivalence(model, _ids(), dejavu_options={"inner": "eager"})
+    dejavu_equivalence(model, token_ids(), dejavu_options={"inner": "eager"})
     with pytest.raises(AssertionError, match="shape"):
         dejavu_equivalence(lambda ids: model(ids).logits[:, :-1] if torch.compiler.is_compiling()
-                           else model(ids).logits, _ids(), dejavu_options={"inner": "eager"})
+                           else model(ids).logits, token_ids(), dejavu_options={"inner": "eager"})
 
 
 def test_mode_reduce_overhead_is_accepted():
     """transformers' CompileConfig sends mode="reduce-overhead" (CUDA graphs; a no-op on CPU)."""
     model = tiny_model("qwen2", layers=1)
-    ids = _ids()
+    ids = token_ids()
     with torch.no_grad():
         got = torch.compile(model, backend="dejavu", mode="reduce-overhead")(ids)
         torch.testing.assert_close(got.logits, model(ids).logits, rtol=1e-4, atol=1e-4)
@@ -93,7 +90,7 @@ def test_compile_config_in_generate():
     from transformers import CompileConfig
 
     model = tiny_model("llama", layers=1)
-    ids = _ids()
+    ids = token_ids()
     reference = _generate(model, ids, "static")
     reports = []
     # torch.compile takes mode or options, not both: CompileConfig's default mode must be cleared.
@@ -151,7 +148,7 @@ def _random_model(spec):
 def test_random_configs_match_and_compile_like_eager(spec, batch, tokens):
     torch._dynamo.reset()
     model = _random_model(spec)
-    ids = _ids(batch, tokens, seed=tokens)
+    ids = token_ids(batch, tokens, seed=tokens)
     report = dejavu_compile.explain(model, ids)
     layers = spec["layers"]
     assert (report.num_layers, report.mlp_matched, report.attention_matched) == (layers, layers, layers), \

@@ -14,14 +14,15 @@ import torch
 
 pytest.importorskip("transformers")
 
-from dejavu_compile import activations  # noqa: E402
-from dejavu_compile.calibration.calibrate import calibrate  # noqa: E402
-from dejavu_compile.calibration.collect import collect  # noqa: E402
-from dejavu_compile.errors import PlanMismatchError  # noqa: E402
-from dejavu_compile.plan.sparsity_plan import SparsityPlan  # noqa: E402
-from dejavu_compile.testing import describe_difference  # noqa: E402
-from dejavu_compile.testing.tiny import FAMILIES, GATED_FAMILIES, tiny_model  # noqa: E402
-from tests.test_sparse_backend import logits_with_hooks  # noqa: E402
+from dejavu_compile import activations
+from dejavu_compile.calibration.calibrate import calibrate
+from dejavu_compile.calibration.collect import collect
+from dejavu_compile.errors import PlanMismatchError
+from dejavu_compile.plan.sparsity_plan import SparsityPlan
+from dejavu_compile.testing import describe_difference
+from dejavu_compile.testing.tiny import FAMILIES, GATED_FAMILIES, tiny_model
+from tests.helpers import token_batches, token_ids
+from tests.references import int8_predictor_values, logits_with_hooks
 
 V = 128
 
@@ -36,17 +37,12 @@ NOT_COVERED = {
 }
 
 
-def _batches(n=3, t=24, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, V, (1, t), generator=g) for _ in range(n)]
-
-
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def calibrated(arch: str, values: str = "exact"):
     """(model, plan, MLP blocks): a tiny `arch` calibrated at 50% on random tokens, the predictor
     reading each MLP's own input (no lookahead), so the reference needs nothing but the block."""
     model = tiny_model(arch, vocab=V)
-    samples, blocks = collect(model, _batches(), progress=False)
+    samples, blocks = collect(model, token_batches(3, 24, high=V), progress=False)
     plan = calibrate(model, None, samples=samples, mlp_density=0.5, lookahead=False, values=values, train_steps=8,
                      progress=False, dense_when_unprofitable=False)
     mlps = sorted((b for b in blocks if b.kind == "mlp"), key=lambda b: b.layer)
@@ -67,15 +63,6 @@ def _project(x, params, ref) -> torch.Tensor:
         b = params[ref.bias].detach().double()
         y = y + (b if ref.rows is None else b[ref.rows[0]:ref.rows[1]])
     return y
-
-
-def _int8_values(entry, x64) -> torch.Tensor:
-    """What a values="predictor" entry gives its kept neurons: act(g~ x) * (u~ x) of the dequantized
-    int8 rows, in float64."""
-    assert entry.predictor == "glu_int8"
-    rows = entry.tensors["rows"].double() * entry.tensors["scales"].double()[:, None]
-    act = activations.get(entry.activation).reference
-    return act(x64 @ rows[:entry.total].t()) * (x64 @ rows[entry.total:].t())
 
 
 def masked_reference(model, plan, blocks, ids) -> torch.Tensor:
@@ -99,7 +86,8 @@ def masked_reference(model, plan, blocks, ids) -> torch.Tensor:
             up = _project(x64, params, block.up)
             h = act(_project(x64, params, block.gate)) * up if block.gated else act(up)
             kept = torch.zeros_like(h).scatter(-1, entry.select(flat), 1.0)
-            values = _int8_values(entry, x64) if entry.values == "predictor" else h
+            values = (int8_predictor_values(entry, x64, activations.get(entry.activation).reference)
+                      if entry.values == "predictor" else h)
             delta = (kept * values - h) @ _weight(params, block.down).t()
             out = output[0] if isinstance(output, tuple) else output
             new = (out.double() + delta.view(out.shape)).to(out.dtype)
@@ -114,7 +102,7 @@ def decode_and_compare(arch: str, values: str, inner: str) -> list[str]:
     """One decode step (batch 2) through the backend against the masked reference; returns what the
     backend rewrote."""
     model, plan, blocks = calibrated(arch, values)
-    ids = torch.randint(3, V, (2, 1), generator=torch.Generator().manual_seed(7))
+    ids = token_ids(2, 1, seed=7, high=V)
     expected = masked_reference(model, plan, blocks, ids)
     reports = []
     with torch.no_grad():
@@ -170,7 +158,7 @@ def test_plan_activation_must_be_the_blocks():
     assert {b.activation for b in blocks} == {"gelu_tanh"}
     wrong = SparsityPlan({key: dataclasses.replace(e, activation="silu") if key[1] == "mlp" else e
                           for key, e in plan.entries.items()}, plan.fingerprint)
-    ids = torch.randint(3, V, (2, 1), generator=torch.Generator().manual_seed(7))
+    ids = token_ids(2, 1, seed=7, high=V)
     with pytest.raises(PlanMismatchError, match=r"layer 0 mlp: plan activation 'silu'.*'gelu_tanh'"):
         with torch.no_grad():
             torch.compile(model, backend="dejavu", options={"plan": wrong, "inner": "eager"})(ids, use_cache=False)
@@ -188,7 +176,7 @@ def test_gated_predictor_on_a_plain_mlp_is_refused():
     assert gated_plan.entry(0, "mlp").predictor_kind.needs_gate
     entries = dict(plain_plan.entries)
     entries[(0, "mlp")] = gated_plan.entry(0, "mlp")
-    ids = torch.randint(3, V, (2, 1), generator=torch.Generator().manual_seed(7))
+    ids = token_ids(2, 1, seed=7, high=V)
     with pytest.raises(PlanMismatchError, match="layer 0 mlp: .*no gate"):
         with torch.no_grad():
             torch.compile(plain_model, backend="dejavu", options={

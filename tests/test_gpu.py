@@ -8,20 +8,21 @@ import functools
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+from dejavu_compile import dejavu_backend
+from dejavu_compile.kernels import prepare_gated_mlp_weights, sparse_gated_mlp
+from dejavu_compile.testing import describe_difference, greedy_generate
+from dejavu_compile.testing.tiny import tiny_model
+from tests.helpers import AlwaysSparseEntry, sparse_plan, token_ids
+from tests.kernel_reference import OPS, assert_close, mlp_problem, mlp_reference
+from tests.references import masked_heads_reference_llama, masked_reference_llama
 
-from tests.conftest_kernels import assert_close, mlp_problem, mlp_reference  # noqa: E402
-from tests.test_kernels_compile import OPS  # noqa: E402
-from tests.test_sparse_backend import AlwaysSparseEntry, _ids, _masked_reference_llama, _plan  # noqa: E402
-from tests.test_sparse_attention import _masked_heads_reference_llama  # noqa: E402
-from dejavu_compile import dejavu_backend  # noqa: E402
-from dejavu_compile.kernels import prepare_gated_mlp_weights, sparse_gated_mlp  # noqa: E402
-from dejavu_compile.testing import describe_difference, greedy_generate  # noqa: E402
-from dejavu_compile.testing.tiny import tiny_model  # noqa: E402
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def _cuda(args, kwargs):
-    move = lambda v: v.cuda() if isinstance(v, torch.Tensor) else v
+    def move(v):
+        return v.cuda() if isinstance(v, torch.Tensor) else v
+
     return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
 
 
@@ -65,10 +66,10 @@ def test_idx_range_error_on_cuda():
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_sparse_decode_on_cuda_matches_masked_reference(mode):
     model = tiny_model("llama")
-    plan = _plan(model, 0.4)
+    plan = sparse_plan(model, 0.4)
     model.cuda()
-    ids = _ids(3, 1).cuda()
-    expected = _masked_reference_llama(model, plan, ids)
+    ids = token_ids(3, 1).cuda()
+    expected = masked_reference_llama(model, plan, ids)
     reports = []
     options = {"plan": plan, "strict": True, "on_report": reports.append}
     # torch.compile refuses mode together with options: hand both to the backend itself
@@ -85,9 +86,9 @@ def test_sparse_decode_on_cuda_matches_masked_reference(mode):
 def test_head_sparse_decode_on_cuda_matches_masked_reference(mode):
     model = tiny_model("llama", layers=3)
     model.cuda()
-    ids = _ids(3, 1).cuda()
-    only_heads = _plan(model, None, attn_density=0.5)
-    expected = _masked_heads_reference_llama(model, only_heads, ids)
+    ids = token_ids(3, 1).cuda()
+    only_heads = sparse_plan(model, None, attn_density=0.5)
+    expected = masked_heads_reference_llama(model, only_heads, ids)
     reports = []
     backend = functools.partial(dejavu_backend, mode=mode, options={"plan": only_heads, "strict": True,
                                                                     "on_report": reports.append})
@@ -101,9 +102,9 @@ def test_head_sparse_decode_on_cuda_matches_masked_reference(mode):
 
 def test_full_density_generate_on_cuda_is_exact():
     model = tiny_model("llama")
-    plan = _plan(model, 1.0, entry_cls=AlwaysSparseEntry, attn_density=1.0)
+    plan = sparse_plan(model, 1.0, entry_cls=AlwaysSparseEntry, attn_density=1.0)
     model.cuda()
-    ids = _ids().cuda()
+    ids = token_ids().cuda()
     for cache in ("static", "dynamic"):
         reference = greedy_generate(model, ids, 12, cache)
         tokens = greedy_generate(model, ids, 12, cache, {"plan": plan, "strict": True})

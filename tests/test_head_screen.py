@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dejavu_compile.compiler.explain import matched_blocks
 from dejavu_compile.compiler.passes.head_screen import output_head

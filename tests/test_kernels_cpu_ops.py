@@ -8,9 +8,12 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tests.conftest_kernels import (
+from dejavu_compile.kernels import ACTIVATIONS, int8_linear
+from dejavu_compile.kernels.cpu import native
+from tests.kernel_reference import (
     HALF_ULP,
     RTOL,
     act64,
@@ -21,8 +24,6 @@ from tests.conftest_kernels import (
     mlp_problem,
     mlp_reference,
 )
-from dejavu_compile.kernels import ACTIVATIONS, int8_linear
-from dejavu_compile.kernels.cpu import native
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(not native.load_ops(), reason=f"C++ ops unavailable: {native._OPS['error']}")
@@ -172,7 +173,8 @@ def _check_int8_mlp(seed, batch, d, n, d_out, share, activation, bias, threads, 
     g_act = act64(h[:, :n], activation).abs()
     slope = act_slope(h[:, :n].abs() + err_g, activation)
     dh = slope * err_g * (h[:, n:].abs() + err_u) + (g_act + slope * err_g) * err_u
-    tol = 1e-4 * (kept.abs() @ w.abs() + (0 if b_down is None else b_down.double().abs())) + 2 * (dh * kept_ids) @ w.abs()
+    tol = (1e-4 * (kept.abs() @ w.abs() + (0 if b_down is None else b_down.double().abs()))
+           + 2 * (dh * kept_ids) @ w.abs())
     tol = tol + HALF_ULP[x_dtype] * (ref.abs() + tol)  # a half-precision result: rounded once at the end
     assert torch.isfinite(out).all()
     err = (out.double() - ref).abs()

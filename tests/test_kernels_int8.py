@@ -2,15 +2,16 @@
 dequantized matmul elsewhere)."""
 from __future__ import annotations
 
-import pytest
-import torch
-from hypothesis import given, settings, strategies as st
-
 from unittest import mock
 
-from tests.conftest_kernels import int8_rows
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from dejavu_compile.kernels import int8_linear
 from dejavu_compile.kernels.cpu import native
+from tests.kernel_reference import int8_rows
 
 
 def _problem(seed, batch, d, n):

@@ -7,15 +7,22 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from hypothesis import HealthCheck, given, settings, strategies as st
-
-from tests.conftest_kernels import assert_close, mlp_cases, mlp_problem, mlp_reference, poison  # noqa: F401
-from dejavu_compile.kernels import (ACTIVATIONS, prepare_gated_mlp_weights, prepare_mlp_weights,
-                                    prepared_overhead, sparse_gated_mlp, sparse_gated_mlp_torch,
-                                    sparse_mlp, sparse_mlp_torch)
-from dejavu_compile.kernels import torch_impl
+from dejavu_compile.kernels import (
+    ACTIVATIONS,
+    prepare_gated_mlp_weights,
+    prepare_mlp_weights,
+    prepared_overhead,
+    sparse_gated_mlp,
+    sparse_gated_mlp_torch,
+    sparse_mlp,
+    sparse_mlp_torch,
+    torch_impl,
+)
 from dejavu_compile.kernels.cpu import native
+from tests.kernel_reference import assert_close, mlp_cases, mlp_problem, mlp_reference
 
 torch.set_num_threads(1)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -171,7 +178,8 @@ def test_full_density_equals_llama_mlp(dtype):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=48, intermediate_size=136, hidden_act="silu", num_attention_heads=4, num_key_value_heads=4)
+    cfg = LlamaConfig(hidden_size=48, intermediate_size=136, hidden_act="silu", num_attention_heads=4,
+                      num_key_value_heads=4)
     mlp = LlamaMLP(cfg).to(dtype)
     x = torch.randn(5, 48, dtype=dtype)
     with torch.no_grad():

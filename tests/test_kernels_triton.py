@@ -16,15 +16,13 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("triton")
-from tests.conftest_kernels import (assert_close, attention_cases, attention_problem, attention_reference,  # noqa: E402,F401
-                              attn_args, mlp_cases, mlp_problem, mlp_reference, poison)
-from dejavu_compile.kernels import ACTIVATIONS, prepare_gated_mlp_weights  # noqa: E402
-from dejavu_compile.kernels.triton import mlp as triton_mlp  # noqa: E402
-from dejavu_compile.kernels.triton.attention import sparse_head_attention_triton  # noqa: E402
-
+from dejavu_compile.kernels import ACTIVATIONS, prepare_gated_mlp_weights
+from dejavu_compile.kernels.triton import mlp as triton_mlp
+from tests.kernel_reference import assert_close, mlp_cases, mlp_problem, mlp_reference
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -99,17 +97,6 @@ def test_activation_without_a_case_fails_to_compile():
     with mock.patch.dict(triton_mlp.activations.ACTIVATIONS, unknown=mock.Mock(code=99)), \
             pytest.raises(Exception, match="without a case"):
         triton_mlp.gather_gemv(x, w, None, None, None, rows, "unknown")
-
-
-@settings(max_examples=40, **SETTINGS)
-@given(case=attention_cases(), dtype=st.sampled_from(DTYPES))
-def test_sparse_head_attention_triton(case, dtype, poison):
-    p = attention_problem(dtype=dtype, **case)
-    ref, bound = attention_reference(p)
-    p = _to(p)
-    out = torch.full((p["x"].shape[0], p["w_o_t"].shape[1]), float("nan"), dtype=dtype, device=DEVICE)
-    sparse_head_attention_triton(*attn_args(p), out=out)
-    assert_close(out, ref, bound, dtype, "triton attention")
 
 
 def test_triton_rejects_bad_idx_before_launch():

@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import dejavu_compile
 from dejavu_compile.compiler.passes.match_mlp import MLPRule
 from dejavu_compile.testing.tiny import ARCHITECTURES, tiny_model
+from tests.helpers import token_ids
 
 # The activation each HF config name must be recognised as (the matcher checks numerically).
 HF_ACTIVATION = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
@@ -25,15 +26,11 @@ def _hidden_act(config):
     raise AssertionError("config names no activation")
 
 
-def _ids(batch=1, tokens=5):
-    return torch.randint(3, 120, (batch, tokens), generator=torch.Generator().manual_seed(0))
-
-
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_explain_matches_every_layer(arch, attn):
     model = tiny_model(arch, layers=3, attn_implementation=attn)
-    report = dejavu_compile.explain(model, _ids())
+    report = dejavu_compile.explain(model, token_ids(1, 5))
     assert report.num_layers == 3
     assert report.mlp_matched == 3, str(report)
     assert report.attention_matched == 3, str(report)
@@ -54,7 +51,8 @@ def test_explain_matches_every_layer(arch, attn):
         else:
             assert (block.num_heads, block.num_kv_heads, block.head_dim) == (heads, kv_heads, 64 // heads)
             assert block.attention == attn
-            assert block.rotary == {"opt": "none", "gpt2": "none", "gpt_neox": "partial", "nemotron": "partial"}.get(arch, "full")
+            rotary = {"opt": "none", "gpt2": "none", "gpt_neox": "partial", "nemotron": "partial"}.get(arch, "full")
+            assert block.rotary == rotary
             assert block.cache == "cat"
             # Head h of q must read the rows of its own slice of the (possibly fused) weight.
             rows = block.nodes["head_rows"]["q"]
@@ -66,7 +64,7 @@ def test_explain_matches_every_layer(arch, attn):
 def test_explain_row_mapping_is_numerically_right():
     """The q rows a record names must reproduce q_proj's head outputs (GPT-NeoX interleaves q/k/v)."""
     model = tiny_model("gpt_neox", layers=1)
-    report = dejavu_compile.explain(model, _ids())
+    report = dejavu_compile.explain(model, token_ids(1, 5))
     attn = report.blocks_of_layer(0)[0]
     assert attn.kind == "attention"
     weight = dict(model.named_parameters())[attn.q.name]
@@ -102,7 +100,7 @@ def test_other_decoders_match_without_new_code(arch):
                                   **EXTRA[arch])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
-    report = dejavu_compile.explain(model, _ids())
+    report = dejavu_compile.explain(model, token_ids(1, 5))
     assert (report.num_layers, report.mlp_matched, report.attention_matched) == (2, 2, 2), str(report)
     assert report.fallbacks == []
     kinds = {b.kv_sharing for b in report.blocks if b.kind == "attention"}
@@ -119,7 +117,7 @@ def test_alibi_attention_is_matched_with_its_per_head_bias():
     """BLOOM's ALiBi attention (baddbmm over heads folded into the batch axis) is multi-head
     attention with a per-head score bias: matched, the bias recorded on the block."""
     model = tiny_model("bloom")
-    report = dejavu_compile.explain(model, _ids())
+    report = dejavu_compile.explain(model, token_ids(1, 5))
     assert (report.attention_matched, report.mlp_matched) == (2, 2) and report.fallbacks == [], str(report)
     for block in (b for b in report.blocks if b.kind == "attention"):
         assert (block.position_bias, block.attention, block.num_heads, block.head_dim) == ("alibi", "eager", 4, 16)
@@ -128,14 +126,14 @@ def test_alibi_attention_is_matched_with_its_per_head_bias():
         # head h of q reads rows [48h, 48h + 16) of the per-head interleaved q/k/v weight
         rows = block.nodes["head_rows"]["q"]
         assert torch.equal(rows, torch.arange(4)[:, None] * 48 + torch.arange(16))
-    llama = dejavu_compile.explain(tiny_model("llama", attn_implementation="eager"), _ids())
+    llama = dejavu_compile.explain(tiny_model("llama", attn_implementation="eager"), token_ids(1, 5))
     assert {b.position_bias for b in llama.blocks if b.kind == "attention"} == {"none"}  # a shared mask is no bias
 
 
 def test_unsupported_attention_is_reported_not_matched():
     """GPT-1's attention is a pattern the rule cannot prove: it must show up as left dense."""
     model = tiny_model("openai-gpt")
-    report = dejavu_compile.explain(model, _ids())
+    report = dejavu_compile.explain(model, token_ids(1, 5))
     assert report.attention_matched == 0 and report.mlp_matched == 2
     assert {where for where, _ in report.fallbacks} == {"layer 0", "layer 1"}
     assert all("no attention block" in why for _, why in report.fallbacks)
@@ -149,7 +147,7 @@ def _decode_reports(model, cache):
     try:
         with torch.no_grad():
             kwargs = {"cache_implementation": "static"} if cache == "static" else {}
-            model.generate(_ids(2, 4), max_new_tokens=4, min_new_tokens=4, do_sample=False, **kwargs)
+            model.generate(token_ids(2, 4), max_new_tokens=4, min_new_tokens=4, do_sample=False, **kwargs)
     finally:
         model.forward = original
     return reports
@@ -223,7 +221,7 @@ def test_user_rule_teaches_a_custom_mlp():
 def test_user_rule_takes_precedence_over_builtin():
     model = tiny_model("llama", layers=1)
     with registered(MLPRule("my_silu", {"silu": F.silu})):
-        report = dejavu_compile.explain(model, _ids())
+        report = dejavu_compile.explain(model, token_ids(1, 5))
     assert {b.rule for b in report.blocks if b.kind == "mlp"} == {"my_silu"}
     with pytest.raises(ValueError, match="already registered"):
         dejavu_compile.register_rule(MLPRule())  # the built-in "mlp" rule exists
@@ -288,7 +286,7 @@ def test_unknown_option_is_a_value_error_naming_it():
 
 def test_training_mode_passes_through_dense_with_a_warning():
     model = tiny_model("gpt2", layers=1).train()  # GPT-2 has dropout, so training shows in the graph
-    x = _ids()
+    x = token_ids(1, 5)
     torch.manual_seed(0)
     expected = model(x).logits
     with warnings.catch_warnings(record=True) as caught:
@@ -321,7 +319,7 @@ def test_a_failing_pass_falls_back_to_the_untouched_graph(monkeypatch, caplog):
 
     monkeypatch.setattr(backend.DejavuBackend, "run_passes", broken)
     model = tiny_model("llama", layers=1)
-    x = _ids()
+    x = token_ids(1, 5)
     with torch.no_grad(), caplog.at_level("WARNING", logger="dejavu_compile"):
         got = torch.compile(model, backend="dejavu", options={"inner": "eager"})(x).logits
         expected = model(x).logits

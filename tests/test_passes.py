@@ -2,10 +2,7 @@
 registry (the cpu_lowering choices, forcing a lowering, Triton end to end under the interpreter)."""
 import logging
 import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,9 +15,7 @@ from dejavu_compile.compiler.passes.sparse_mlp import SparseMLPPass
 from dejavu_compile.compiler.passes.sparsify import default_passes
 from dejavu_compile.errors import DejavuOptionError
 from dejavu_compile.testing.tiny import tiny_model
-from tests.test_sparse_backend import _ids, _plan
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import run_under_triton_interpreter, sparse_plan, token_ids
 
 
 def _dynamo_graph(model, ids):
@@ -41,8 +36,8 @@ def _dynamo_graph(model, ids):
 
 def test_passes_run_in_order_and_count_what_they_did():
     model = tiny_model("llama")
-    plan = _plan(model, 0.4)
-    gm, inputs = _dynamo_graph(model, _ids(2, 1))
+    plan = sparse_plan(model, 0.4)
+    gm, inputs = _dynamo_graph(model, token_ids(2, 1))
     opts = backend.validate_options({"plan": plan, "inner": "eager", "cpu_lowering": "op"})
     passes = default_passes(opts)
     assert [p.name for p in passes] == ["match", "training_guard", "auto_plan", "plan_check", "weights_check",
@@ -71,11 +66,11 @@ def test_passes_run_in_order_and_count_what_they_did():
 
 def test_guards_stop_the_run_with_the_reason():
     model = tiny_model("llama")
-    plan = _plan(model, 0.4)
+    plan = sparse_plan(model, 0.4)
     reports = []
     with torch.no_grad():
         torch.compile(model, backend="dejavu", options={"plan": plan, "inner": "eager", "on_report": reports.append})(
-            _ids(1, 5), use_cache=False)
+            token_ids(1, 5), use_cache=False)
     torch._dynamo.reset()
     (report,) = reports
     assert report.dense_reason.startswith("prefill-shaped graph")
@@ -84,9 +79,10 @@ def test_guards_stop_the_run_with_the_reason():
 
 def test_debug_logging_shows_each_graph_before_and_after_each_pass(caplog):
     model = tiny_model("llama", layers=1)
-    plan = _plan(model, 0.4)
+    plan = sparse_plan(model, 0.4)
     with torch.no_grad(), caplog.at_level(logging.DEBUG, logger="dejavu_compile.passes"):
-        torch.compile(model, backend="dejavu", options={"plan": plan, "inner": "eager"})(_ids(1, 1), use_cache=False)
+        compiled = torch.compile(model, backend="dejavu", options={"plan": plan, "inner": "eager"})
+        compiled(token_ids(1, 1), use_cache=False)
     torch._dynamo.reset()
     for name in ("match", "training_guard", "auto_plan", "plan_check", "weights_check", "decode_shape", "sparse_mlp",
                  "sparse_attention"):
@@ -101,8 +97,8 @@ def test_a_failing_pass_is_named_and_the_graph_stays_dense(monkeypatch, caplog):
 
     monkeypatch.setattr(SparseMLPPass, "__call__", broken)
     model = tiny_model("llama", layers=1)
-    plan = _plan(model, 0.4)
-    ids = _ids(1, 1)
+    plan = sparse_plan(model, 0.4)
+    ids = token_ids(1, 1)
     reports = []
     with torch.no_grad(), caplog.at_level("WARNING", logger="dejavu_compile"):
         got = torch.compile(model, backend="dejavu", options={"plan": plan, "inner": "eager",
@@ -153,16 +149,17 @@ def test_forced_lowering_is_validated_and_must_be_able_to_run():
 
 
 TRITON_DECODE = textwrap.dedent("""
-    import copy, torch
+    import torch
     from dejavu_compile.compiler.passes.runner import dejavu_op_nodes
     from dejavu_compile.testing import describe_difference
     from dejavu_compile.testing.tiny import tiny_model
-    from tests.test_sparse_backend import _ids, _plan
+    from tests.helpers import sparse_plan, token_ids
+    from tests.references import masked_reference_llama
 
     torch.set_num_threads(1)
     model = tiny_model("llama")
-    plan = _plan(model, 0.4)
-    ids = _ids(2, 1)
+    plan = sparse_plan(model, 0.4)
+    ids = token_ids(2, 1)
     reports = []
     with torch.no_grad():
         got = torch.compile(model, backend="dejavu", options={
@@ -171,22 +168,7 @@ TRITON_DECODE = textwrap.dedent("""
 
     # float64 masked reference: each MLP keeps the neurons its predictor picks (scored in fp32, as
     # the graph does) from the lookahead source, the rest of the model in float64
-    ref = copy.deepcopy(model).double()
-    handles, sources = [], {}
-    for layer, block in enumerate(ref.model.layers):
-        entry = plan.entries[(layer, "mlp")]
-        def keep(module, args, output, layer=layer):
-            sources[layer] = output
-        def mask(module, args, layer=layer, entry=entry):
-            (hidden,) = args
-            flat = hidden.reshape(-1, hidden.shape[-1])
-            src = sources[layer].reshape(flat.shape[0], -1).float()
-            idx = entry.scores(src).topk(entry.k, dim=-1).indices
-            return ((flat * torch.zeros_like(flat).scatter(-1, idx, 1.0)).view_as(hidden),)
-        source = block.input_layernorm if entry.lookahead else block.post_attention_layernorm
-        handles += [source.register_forward_hook(keep), block.mlp.down_proj.register_forward_pre_hook(mask)]
-    with torch.no_grad():
-        expected = ref(ids, use_cache=False).logits
+    expected = masked_reference_llama(model, plan, ids, float64=True)
     assert describe_difference("logits", got.double(), expected, rtol=1e-4, atol=1e-4) is None
     targets = {n.target.__name__ for r in reports for n in r.graph.graph.nodes if n.op == "call_function"}
     assert "sparse_gated_mlp_triton" in targets, targets
@@ -195,17 +177,6 @@ TRITON_DECODE = textwrap.dedent("""
     assert reports[-1].pass_counts["sparse_mlp"] == model.config.num_hidden_layers
     print("triton decode ok")
 """)
-
-
-def run_under_triton_interpreter(script: str) -> str:
-    """Run ``script`` in a fresh process with TRITON_INTERPRET=1 (it must be set before the Triton
-    kernels are first imported); its stdout, after asserting it exited cleanly."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "DEJAVU_TRITON_AUTOTUNE": "0", "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    return result.stdout
 
 
 def test_triton_lowering_decodes_a_tiny_model_under_the_interpreter():

@@ -8,18 +8,19 @@ import torch
 
 pytest.importorskip("transformers")
 
-from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan  # noqa: E402
-from test_calibration import FF, H, L, PLANT, batches, tiny_llama  # noqa: E402
+from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan
+from tests.planted import FF, PLANT, H, batches, tiny_llama
 
 
 @pytest.fixture(scope="module")
 def model_and_plan():
-    from dejavu_compile.calibration.collect import collect
     from dejavu_compile.calibration.calibrate import calibrate
+    from dejavu_compile.calibration.collect import collect
 
     model = tiny_llama()
     samples, _ = collect(model, batches(3, 48), progress=False)
-    plan = calibrate(model, None, predictor="lowrank", samples=samples, mlp_density=0.5, attn_density=0.75, rank=PLANT, progress=False)
+    plan = calibrate(model, None, predictor="lowrank", samples=samples, mlp_density=0.5, attn_density=0.75, rank=PLANT,
+                     progress=False)
     return model, plan
 
 
@@ -53,12 +54,8 @@ def test_wrong_model_is_a_clear_error(tmp_path, model_and_plan):
     other_weights = tiny_llama(seed=3)  # same architecture, other weights
     with pytest.raises(ValueError, match="weights differ"):
         SparsityPlan.load(tmp_path, model=other_weights)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=FF * 2, num_hidden_layers=L,
-                      num_attention_heads=H, num_key_value_heads=2)
     with pytest.raises(ValueError, match="intermediate_size"):
-        plan.check(LlamaForCausalLM(cfg))
+        plan.check(tiny_llama(planted=False, intermediate=FF * 2))
 
 
 def test_corrupt_or_partial_directory_is_a_clear_error(tmp_path, model_and_plan):
@@ -111,8 +108,8 @@ def test_entry_shape_validation(tmp_path):
 
 
 def test_int8_plan_round_trip(tmp_path):
-    from dejavu_compile.calibration.collect import collect
     from dejavu_compile.calibration.calibrate import calibrate
+    from dejavu_compile.calibration.collect import collect
 
     model = tiny_llama(planted=False)
     samples, _ = collect(model, batches(2, 48), progress=False)
@@ -137,8 +134,8 @@ def test_values_round_trip_and_validation(tmp_path):
     values "predictor" without the int8 predictor, or an unknown values, is a clear error."""
     import json
 
-    from dejavu_compile.calibration.collect import collect
     from dejavu_compile.calibration.calibrate import calibrate
+    from dejavu_compile.calibration.collect import collect
 
     model = tiny_llama(planted=False)
     samples, _ = collect(model, batches(2, 48), progress=False)

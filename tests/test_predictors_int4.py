@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dejavu_compile.calibration.calibrate import calibrate
 from dejavu_compile.calibration.collect import collect
-from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan
-from dejavu_compile.plan.predictors.glu_int4 import (dequantize_int4, fit_int4_glu_predictor, int4_glu_scores,
-                                                  pack_int4, unpack_int4)
+from dejavu_compile.plan.predictors.glu_int4 import (
+    dequantize_int4,
+    fit_int4_glu_predictor,
+    int4_glu_scores,
+    pack_int4,
+    unpack_int4,
+)
 from dejavu_compile.plan.predictors.metrics import recall
-from test_calibration import D, FF, L, batches, tiny_llama, tiny_opt  # noqa: E402
+from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan
+from tests.planted import FF, D, L, batches, tiny_llama, tiny_opt
 
 
 def _rtn(w: torch.Tensor, group: int = 32) -> torch.Tensor:
@@ -118,7 +124,8 @@ def test_int4_plan_round_trip_and_errors(tmp_path, int4_model_and_samples):
     for key, e in plan.entries.items():
         b = back.entries[key]
         if e.kind == "mlp":
-            assert [b.tensors[n].dtype for n in ("codes", "scales", "bias")] == [torch.uint8, torch.float16, torch.float32]
+            dtypes = [b.tensors[n].dtype for n in ("codes", "scales", "bias")]
+            assert dtypes == [torch.uint8, torch.float16, torch.float32]
             assert all(torch.equal(b.tensors[n], t) for n, t in e.tensors.items()) and set(b.tensors) == set(e.tensors)
         assert torch.equal(b.select(x), e.select(x))
     e = plan.entry(0, "mlp")

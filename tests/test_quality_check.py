@@ -9,15 +9,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from dejavu_compile.assets.data import tokenize_chunks  # noqa: E402
-from dejavu_compile.calibration.calibrate import (  # noqa: E402
-    PlanQualityWarning, calibrate, split_holdout,
-)
-from dejavu_compile.calibration.collect import collect  # noqa: E402
-from dejavu_compile.evaluation.perplexity import perplexity  # noqa: E402
-from dejavu_compile.plan.sparsity_plan import SparsityPlan  # noqa: E402
-from dejavu_compile.testing.tiny import tiny_model  # noqa: E402
-from tests.helpers import ByteTokenizer  # noqa: E402
+from dejavu_compile.assets.data import tokenize_chunks
+from dejavu_compile.calibration.calibrate import PlanQualityWarning, calibrate, split_holdout
+from dejavu_compile.calibration.collect import collect
+from dejavu_compile.evaluation.perplexity import perplexity
+from dejavu_compile.plan.sparsity_plan import SparsityPlan
+from dejavu_compile.testing.tiny import tiny_model
+from tests.helpers import ByteTokenizer
 
 MAX_TOKENS, SEQ_LEN = 512, 32
 TEXT = " ".join(f"token{i % 37} word{i % 11}" for i in range(47))  # 20 chunks of 32: the 4 beyond MAX_TOKENS held out

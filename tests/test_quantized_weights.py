@@ -8,13 +8,14 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dejavu_compile.compiler.quantize import GROUP_SIZES, Int8Linear, quantize_rows_grouped, quantize_weights
 from dejavu_compile.kernels.cpu import native
 from dejavu_compile.testing.tiny import tiny_model
-from tests.conftest_kernels import HALF_ULP
 from tests.helpers import token_ids
+from tests.kernel_reference import HALF_ULP
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(not native.load_ops(), reason=f"C++ ops unavailable: {native._OPS['error']}")
@@ -105,7 +106,7 @@ def _dequantized_copy(model):
     """The quantized model with each Int8Linear replaced by an nn.Linear holding its dequantized
     weight, in float64: the reference its logits must match."""
     reference = copy.deepcopy(model)
-    for name, module in list(reference.named_modules()):
+    for _, module in list(reference.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, Int8Linear):
                 linear = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)

@@ -4,10 +4,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 from dejavu_compile.testing.tiny import tiny_model
-
-
-def _ids(batch=1, tokens=3, seed=0):
-    return torch.randint(3, 120, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+from tests.helpers import token_ids
 
 
 def _assert_rng_untouched(call):
@@ -21,7 +18,7 @@ def test_explain_leaves_the_global_rng_alone():
     from dejavu_compile import explain
 
     model = tiny_model("llama")
-    _assert_rng_untouched(lambda: explain(model, _ids()))
+    _assert_rng_untouched(lambda: explain(model, token_ids(1, 3)))
 
 
 def test_compiling_and_running_leaves_the_global_rng_alone():
@@ -29,7 +26,7 @@ def test_compiling_and_running_leaves_the_global_rng_alone():
 
     def run():
         with torch.no_grad():
-            torch.compile(model, backend="dejavu", options={"inner": "eager"})(_ids(), use_cache=False)
+            torch.compile(model, backend="dejavu", options={"inner": "eager"})(token_ids(1, 3), use_cache=False)
 
     _assert_rng_untouched(run)
 
@@ -47,7 +44,7 @@ def test_matching_a_graph_leaves_the_global_rng_alone():
         return gm.forward
 
     with torch.no_grad():
-        torch.compile(model, backend=capture)(_ids(), use_cache=False)
+        torch.compile(model, backend=capture)(token_ids(1, 3), use_cache=False)
     results = []
     _assert_rng_untouched(lambda: results.append(match_blocks(graphs[0])))
     assert len(results[0].mlp) == model.config.num_hidden_layers
@@ -69,7 +66,7 @@ def test_calibrating_a_plain_mlp_model_leaves_the_global_rng_alone():
     from dejavu_compile.calibration.collect import collect
 
     model = tiny_model("opt")
-    batches = [_ids(1, 24, seed) for seed in range(2)]
+    batches = [token_ids(1, 24, seed) for seed in range(2)]
     samples, _ = collect(model, batches, progress=False)
     plans = []
     _assert_rng_untouched(lambda: plans.append(calibrate(model, None, samples=samples, mlp_density=0.5,
@@ -105,7 +102,7 @@ def test_model_compiled_before_prepare_model_recompiles_on_the_new_layout():
     model = tiny_model("llama")
     counter = CompileCounter()
     compiled = torch.compile(model, backend=counter)
-    ids = _ids()
+    ids = token_ids(1, 3)
     with torch.no_grad():
         compiled(ids, use_cache=False)
         assert prepare_model(model)
@@ -123,7 +120,7 @@ def test_perplexity_does_not_reset_the_users_compiled_functions():
     fn, counter = _user_function()
     x = torch.randn(8)
     fn(x)
-    chunks = [_ids(1, 12, seed) for seed in range(2)]
+    chunks = [token_ids(1, 12, seed) for seed in range(2)]
     dense = perplexity(model, chunks)
     plan = SparsityPlan.dense(model)
     for _ in range(10):  # more evaluations than Dynamo's recompile limit of one code object

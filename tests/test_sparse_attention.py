@@ -8,8 +8,8 @@ import torch
 from dejavu_compile.compiler.prepare import prepare_model
 from dejavu_compile.testing import describe_difference
 from dejavu_compile.testing.tiny import ARCHITECTURES, tiny_model
-
-from tests.test_sparse_backend import _ids, _plan, logits_with_hooks
+from tests.helpers import AlwaysSparseEntry, sparse_plan, token_batches, token_ids
+from tests.references import logits_with_hooks, masked_heads_reference_llama
 
 # (architecture, config overrides): every foundation architecture, plus LLaMA as MHA and Mistral as MQA.
 VARIANTS = [(arch, {}) for arch in ARCHITECTURES] + [("llama", {"kv_heads": 4}), ("mistral", {"kv_heads": 1})]
@@ -23,33 +23,6 @@ def _compile(model, plan, reports=None, **options):
     return torch.compile(model, backend="dejavu", options=options)
 
 
-def _masked_heads_reference_llama(model, plan, ids):
-    """Eager LLaMA with hooks: each attention block's output projection sees only the heads its
-    predictor picks, from the previous layer's MLP input (lookahead) or its own input (layer 0)."""
-    handles, inputs = [], {}
-    layers = model.model.layers
-    head_dim = model.config.hidden_size // model.config.num_attention_heads
-    for layer, block in enumerate(layers):
-        def keep(name):
-            def hook(module, args, output):
-                inputs[name] = output.reshape(-1, output.shape[-1])
-            return hook
-
-        handles.append(block.input_layernorm.register_forward_hook(keep(("attention", layer))))
-        handles.append(block.post_attention_layernorm.register_forward_hook(keep(("mlp", layer))))
-        entry = plan.entries[(layer, "attention")]
-
-        def mask_heads(module, args, layer=layer, entry=entry):
-            (heads,) = args  # (B, T, H*D)
-            source = inputs[("mlp", layer - 1)] if entry.lookahead else inputs[("attention", layer)]
-            idx = entry.scores(source).topk(entry.k, dim=-1).indices
-            mask = torch.zeros(idx.shape[0], entry.total, device=idx.device).scatter(-1, idx, 1.0).repeat_interleave(head_dim, -1)
-            return (heads * mask.view_as(heads),)
-
-        handles.append(block.self_attn.o_proj.register_forward_pre_hook(mask_heads))
-    return logits_with_hooks(model, ids, handles)
-
-
 @pytest.mark.parametrize("batch, tokens, sdpa_gqa", [(3, 1, False), (2, 6, False), (3, 1, True)])
 def test_head_sparse_matches_masked_reference(batch, tokens, sdpa_gqa, monkeypatch):
     """Decode-shaped: the head-sparse graph (eager and Inductor) and the simulation; prefill-shaped:
@@ -58,9 +31,9 @@ def test_head_sparse_matches_masked_reference(batch, tokens, sdpa_gqa, monkeypat
     if sdpa_gqa:
         monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "1")
     model = tiny_model("llama", layers=3)
-    plan = _plan(model, None, attn_density=0.5)
-    ids = _ids(batch, tokens)
-    expected = _masked_heads_reference_llama(model, plan, ids)
+    plan = sparse_plan(model, None, attn_density=0.5)
+    ids = token_ids(batch, tokens)
+    expected = masked_heads_reference_llama(model, plan, ids)
     variants = [{"simulate": True, "inner": "eager"}]
     if tokens == 1:
         variants += [{"inner": "eager"}, {"inner": "inductor"}]
@@ -80,11 +53,11 @@ def test_head_sparse_decode_with_cache_matches_simulation(arch, overrides):
     from transformers import DynamicCache, StaticCache
 
     model = tiny_model(arch, **overrides)
-    plan = _plan(model, 0.5, attn_density=0.5)
-    prompt = _ids(2, 5)
+    plan = sparse_plan(model, 0.5, attn_density=0.5)
+    prompt = token_ids(2, 5)
     mask = torch.ones(2, 5, dtype=torch.long)
     mask[1, :2] = 0
-    step = _ids(2, 1, seed=1)
+    step = token_ids(2, 1, seed=1)
     step_mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
     caches = [DynamicCache(config=model.config), StaticCache(config=model.config, max_cache_len=12)]
     if arch == "opt":  # OPT's positions from a padded mask call .item() with a StaticCache: one graph per layer
@@ -98,7 +71,8 @@ def test_head_sparse_decode_with_cache_matches_simulation(arch, overrides):
                 reports = []
                 compiled = _compile(model, plan, reports, **options)
                 got[name] = compiled(step, attention_mask=step_mask, past_key_values=copy.deepcopy(cache)).logits
-                assert any("heads" in line for r in reports for line in r.rewritten), (name, [r.rewritten for r in reports])
+                assert any("heads" in line for r in reports for line in r.rewritten), \
+                    (name, [r.rewritten for r in reports])
         what = f"{arch} {type(cache).__name__}"
         assert describe_difference(what, got["sparse"], got["simulation"], rtol=1e-4, atol=1e-4) is None
         assert (got["sparse"] - dense).abs().max() > 1e-3, what
@@ -110,10 +84,10 @@ def test_only_the_selected_heads_rows_are_read():
     reads the previous layer's MLP input (lookahead) and runs before this layer's attention."""
     model = tiny_model("llama", layers=3)
     prepare_model(model)
-    plan = _plan(model, None, attn_density=0.5)
+    plan = sparse_plan(model, None, attn_density=0.5)
     reports = []
     with torch.no_grad():
-        _compile(model, plan, reports, inner="eager")(_ids(1, 1), use_cache=False)
+        _compile(model, plan, reports, inner="eager")(token_ids(1, 1), use_cache=False)
     report = reports[-1]
     assert not any("copied" in line for line in report.rewritten)  # prepare_model: free views only
     nodes = list(report.graph.graph.nodes)
@@ -133,15 +107,15 @@ def test_only_the_selected_heads_rows_are_read():
             assert not meta["lookahead"]
             continue
         assert meta["lookahead"] and meta["reads"] == mlp_inputs[meta["layer"] - 1]
-        k_proj = next(n for n in nodes if n.op == "call_function" and f"layers_modules_{meta['layer']}_modules_self_attn"
-                      "_modules_k_proj" in str(n.args[1:2]))
+        k_proj = next(n for n in nodes if n.op == "call_function"
+                      and f"layers_modules_{meta['layer']}_modules_self_attn_modules_k_proj" in str(n.args[1:2]))
         assert position[node] < position[k_proj]
 
 
 def test_eager_attention_stays_dense_and_is_reported():
     model = tiny_model("llama", attn_implementation="eager")
-    plan = _plan(model, None, attn_density=0.5)
-    ids = _ids(2, 1)
+    plan = sparse_plan(model, None, attn_density=0.5)
+    ids = token_ids(2, 1)
     reports = []
     with torch.no_grad():
         expected = model(ids, use_cache=False).logits
@@ -152,11 +126,9 @@ def test_eager_attention_stays_dense_and_is_reported():
 
 
 def test_full_density_head_sparse_logits_within_fp32_tolerance_with_inductor():
-    from tests.test_sparse_backend import AlwaysSparseEntry
-
     model = tiny_model("qwen2")  # q/k/v biases
-    plan = _plan(model, None, attn_density=1.0, attn_entry_cls=AlwaysSparseEntry)
-    ids = _ids(2, 1)
+    plan = sparse_plan(model, None, attn_density=1.0, attn_entry_cls=AlwaysSparseEntry)
+    ids = token_ids(2, 1)
     reports = []
     with torch.no_grad():
         expected = model(ids, use_cache=False).logits
@@ -173,14 +145,13 @@ ALIBI = [("bloom", {}), ("mpt", {}), ("falcon", {"alibi": True}),
 
 
 def _alibi_model_and_plan(arch, overrides):
-    """A tiny ALiBi model and a calibrated plan keeping half of the heads (MLPs dense; the calibration may spread the heads unevenly over the layers), each head
-    predictor reading its own block's input."""
+    """A tiny ALiBi model and a calibrated plan keeping half of the heads (MLPs dense; the calibration
+    may spread the heads unevenly over the layers), each head predictor reading its own block's input."""
     from dejavu_compile.calibration.calibrate import calibrate
     from dejavu_compile.calibration.collect import collect
 
     model = tiny_model(arch, **overrides)
-    g = torch.Generator().manual_seed(1)
-    samples, _ = collect(model, [torch.randint(3, 120, (1, 24), generator=g) for _ in range(3)], progress=False)
+    samples, _ = collect(model, token_batches(3, 24), progress=False)
     plan = calibrate(model, None, samples=samples, predictor="lowrank", mlp_density=1.0, attn_density=0.5,
                      lookahead=False, train_steps=8, progress=False, dense_when_unprofitable=False)
     return model, plan
@@ -209,7 +180,8 @@ def _masked_heads_reference(model, plan, blocks, ids):
     return logits_with_hooks(model, ids, handles)
 
 
-@pytest.mark.parametrize("arch, overrides", ALIBI, ids=[f"{a}-{o.get('attn_implementation', 'default')}" for a, o in ALIBI])
+@pytest.mark.parametrize("arch, overrides", ALIBI,
+                         ids=[f"{a}-{o.get('attn_implementation', 'default')}" for a, o in ALIBI])
 def test_alibi_attention_is_matched_calibrated_and_masked_like_the_reference(arch, overrides):
     """ALiBi heads are independent (the bias is per head): matched, calibrated, and the masked
     simulation (prefill and decode shapes) equals zeroing the unselected heads before the output
@@ -218,19 +190,20 @@ def test_alibi_attention_is_matched_calibrated_and_masked_like_the_reference(arc
     from dejavu_compile import explain
 
     model, plan = _alibi_model_and_plan(arch, overrides)
-    report = explain(model, _ids(2, 5))
+    report = explain(model, token_ids(2, 5))
     blocks = [b for b in report.blocks if b.kind == "attention"]
     assert report.attention_matched == 2 and report.fallbacks == [], str(report)
     assert {b.position_bias for b in blocks} == {"alibi"}
     sdpa = arch == "falcon" and "attn_implementation" not in overrides
     assert {b.attention for b in blocks} == {"sdpa" if sdpa else "eager"}
     with torch.no_grad():
-        for ids in (_ids(2, 5), _ids(2, 1)):
+        for ids in (token_ids(2, 5), token_ids(2, 1)):
             expected = _masked_heads_reference(model, plan, blocks, ids)
             dense = model(ids, use_cache=False).logits
             assert (dense - expected).abs().max() > 1e-3  # the plan really removed heads
             got = _compile(model, plan, simulate=True, inner="eager")(ids, use_cache=False).logits
-            assert describe_difference(f"{arch} simulation {tuple(ids.shape)}", got, expected, rtol=1e-4, atol=1e-4) is None
+            what = f"{arch} simulation {tuple(ids.shape)}"
+            assert describe_difference(what, got, expected, rtol=1e-4, atol=1e-4) is None
         reports = []
         got = _compile(model, plan, reports)(ids, use_cache=False).logits
     lowered = [line for r in reports for line in r.rewritten if "/4 heads" in line]

@@ -2,48 +2,14 @@
 import pytest
 import torch
 
-from dejavu_compile.kernels.cpu import native
 from dejavu_compile.compiler.prepare import prepare_model
 from dejavu_compile.errors import PlanMismatchError
+from dejavu_compile.kernels.cpu import native
 from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan, model_fingerprint
 from dejavu_compile.testing import describe_difference, greedy_generate
 from dejavu_compile.testing.tiny import ARCHITECTURES, tiny_model
-
-
-class AlwaysSparseEntry(PlanEntry):
-    """An entry that keeps every neuron but still goes through predictor, top-k and sparse op."""
-
-    @property
-    def dense(self):
-        return False
-
-
-def _ids(batch=1, tokens=6, seed=0):
-    return torch.randint(3, 120, (batch, tokens), generator=torch.Generator().manual_seed(seed))
-
-
-def _plan(model, density, *, entry_cls=PlanEntry, lookahead=True, rank=8, seed=0, attn_density=None,
-          attn_entry_cls=None):
-    """Random low-rank predictors keeping `density` of each MLP's neurons and `attn_density` of each
-    attention block's heads (None: attention dense)."""
-    from dejavu_compile import explain
-
-    report = explain(model, _ids(1, 3))
-    gen = torch.Generator().manual_seed(seed)
-    d = model.config.hidden_size
-    entries = {}
-    for block in report.blocks:
-        kind, total = (("mlp", block.intermediate_size) if block.kind == "mlp" else ("attention", block.num_heads))
-        share = density if kind == "mlp" else attn_density
-        if share is None:
-            entries[(block.layer, kind)] = PlanEntry(block.layer, kind, total, total)
-            continue
-        cls = entry_cls if kind == "mlp" else (attn_entry_cls or entry_cls)
-        entries[(block.layer, kind)] = cls(
-            block.layer, kind, max(1, round(total * share)), total, "twolayer",
-            {"in_proj": torch.randn(d, rank, generator=gen), "out_proj": torch.randn(rank, total, generator=gen)},
-            lookahead=lookahead and (kind == "mlp" or block.layer > 0))
-    return SparsityPlan(entries, model_fingerprint(model))
+from tests.helpers import AlwaysSparseEntry, int8_plan, sparse_plan, token_ids
+from tests.references import masked_reference_llama, predictor_values_reference
 
 
 def _generate(model, ids, cache="static", options=None):
@@ -53,8 +19,8 @@ def _generate(model, ids, cache="static", options=None):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_full_density_plan_through_sparse_ops_matches_eager(arch):
     model = tiny_model(arch)
-    plan = _plan(model, 1.0, entry_cls=AlwaysSparseEntry, attn_density=1.0)
-    ids = _ids()
+    plan = sparse_plan(model, 1.0, entry_cls=AlwaysSparseEntry, attn_density=1.0)
+    ids = token_ids()
     reports = []
     options = {"plan": plan, "inner": "eager", "strict": True, "on_report": reports.append}
     for cache in ("static", "dynamic"):
@@ -76,9 +42,9 @@ def test_full_density_plan_through_sparse_ops_matches_eager(arch):
 
 def test_full_density_logits_within_fp32_tolerance_with_inductor():
     model = tiny_model("llama")
-    plan = _plan(model, 1.0, entry_cls=AlwaysSparseEntry)
+    plan = sparse_plan(model, 1.0, entry_cls=AlwaysSparseEntry)
     prepare_model(model)
-    ids = _ids(2, 1)  # decode-shaped (one token per sequence, no cache): the sparse path
+    ids = token_ids(2, 1)  # decode-shaped (one token per sequence, no cache): the sparse path
     reports = []
     with torch.no_grad():
         expected = model(ids, use_cache=False).logits
@@ -87,39 +53,6 @@ def test_full_density_logits_within_fp32_tolerance_with_inductor():
         got = compiled(ids, use_cache=False).logits
     assert reports[-1].rewritten
     assert describe_difference("logits", got, expected, rtol=1e-4, atol=1e-4) is None
-
-
-def _masked_reference_llama(model, plan, ids):
-    """Eager LLaMA with hooks: each MLP keeps the top-k neurons its predictor picks from the
-    attention input of the same layer (the lookahead source) or, without lookahead, its own input."""
-    handles, sources = [], {}
-    for layer, block in enumerate(model.model.layers):
-        entry = plan.entries[(layer, "mlp")]
-
-        def keep_source(module, args, output, layer=layer):
-            sources[layer] = output
-
-        def mask_hidden(module, args, layer=layer, entry=entry):
-            (hidden,) = args
-            flat = hidden.reshape(-1, hidden.shape[-1])
-            idx = entry.scores(sources[layer].reshape(-1, sources[layer].shape[-1])).topk(entry.k, dim=-1).indices
-            mask = torch.zeros_like(flat).scatter(-1, idx, 1.0)
-            return ((flat * mask).view_as(hidden),)
-
-        source = block.input_layernorm if entry.lookahead else block.post_attention_layernorm
-        handles.append(source.register_forward_hook(keep_source))
-        handles.append(block.mlp.down_proj.register_forward_pre_hook(mask_hidden))
-    return logits_with_hooks(model, ids, handles)
-
-
-def logits_with_hooks(model, ids, handles):
-    """Logits of one uncached forward, then the hooks are removed."""
-    try:
-        with torch.no_grad():
-            return model(ids, use_cache=False).logits
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def _mlp_lowering(report) -> str:
@@ -153,9 +86,9 @@ def test_sparse_decode_matches_masked_reference(batch, fused_op, monkeypatch):
         monkeypatch.setattr(mlp_mod, "FUSED_MIN_ELEMENTS", 0)
         monkeypatch.setitem(native._STATE, "enabled", False)
     model = tiny_model("llama")
-    plan = _plan(model, 0.4)
-    ids = _ids(batch, 1)
-    expected = _masked_reference_llama(model, plan, ids)
+    plan = sparse_plan(model, 0.4)
+    ids = token_ids(batch, 1)
+    expected = masked_reference_llama(model, plan, ids)
     with torch.no_grad():
         dense = model(ids, use_cache=False).logits
         for options in ({"inner": "eager"}, {"simulate": True, "inner": "eager"},
@@ -177,10 +110,10 @@ def test_down_row_sums_split_a_prime_k_into_padded_bags():
     """k = 131 (prime) kept of 262: the down projection's row sums are cut into 4 bags of 33, the
     last padded with weight-0 ids; batch 2, so a bag straddling two rows would show."""
     model = tiny_model("llama", intermediate=262)
-    plan = _plan(model, 0.5)
+    plan = sparse_plan(model, 0.5)
     assert {e.k for e in plan.entries.values() if e.kind == "mlp"} == {131}
-    ids = _ids(2, 1)
-    expected = _masked_reference_llama(model, plan, ids)
+    ids = token_ids(2, 1)
+    expected = masked_reference_llama(model, plan, ids)
     torch._dynamo.reset()
     reports = []
     with torch.no_grad():
@@ -192,19 +125,6 @@ def test_down_row_sums_split_a_prime_k_into_padded_bags():
     assert any(n.target is torch.nn.functional.pad for n in graph.nodes)
 
 
-def _int8_plan(model, density, values="exact"):
-    from dejavu_compile.plan.predictors.glu_int8 import int8_glu_predictor
-
-    entries = {}
-    for layer, block in enumerate(model.model.layers):
-        mlp = block.mlp
-        t = int8_glu_predictor(mlp.gate_proj.weight, mlp.up_proj.weight)
-        total = mlp.gate_proj.weight.shape[0]
-        entries[(layer, "mlp")] = PlanEntry(layer, "mlp", max(1, round(total * density)), total, "glu_int8", t,
-                                            "silu", lookahead=False, values=values)
-    return SparsityPlan(entries, model_fingerprint(model))
-
-
 def _sparse_logits(model, plan, ids, options):
     """Logits of one uncached forward compiled with `plan` (strict), and the backend's last report."""
     torch._dynamo.reset()
@@ -214,43 +134,18 @@ def _sparse_logits(model, plan, ids, options):
     return got, reports[-1]
 
 
-def predictor_values_reference(model, plan, ids, down_rows=None):
-    """Logits of eager with each MLP replaced by what a values="predictor" entry means: the int8
-    predictor's act(g~) * u~ (float64, from the dequantized rows) on the top k by magnitude, times
-    the down projection, rounded to bf16 first where the plan's down_rows (or `down_rows`) says so."""
-    down_rows = down_rows or plan.down_rows
-    handles = []
-    for layer, block in enumerate(model.model.layers):
-        entry = plan.entries[(layer, "mlp")]
-
-        def replace_mlp(module, args, output, entry=entry):
-            (x,) = args
-            flat = x.reshape(-1, x.shape[-1]).double()
-            rows = entry.tensors["rows"].double() * entry.tensors["scales"].double()[:, None]
-            h = torch.nn.functional.silu(flat @ rows[:entry.total].T) * (flat @ rows[entry.total:].T)
-            idx = h.abs().topk(entry.k, dim=-1).indices
-            kept = torch.zeros_like(h).scatter(-1, idx, h.gather(-1, idx))
-            down = module.down_proj.weight
-            if down_rows == "bfloat16":
-                down = down.bfloat16()
-            return (kept @ down.double().T).to(x.dtype).view_as(output)
-
-        handles.append(block.mlp.register_forward_hook(replace_mlp))
-    return logits_with_hooks(model, ids, handles)
-
-
 @pytest.mark.parametrize("batch", [1, 3])
 def test_predictor_values_decode_matches_reference(batch):
     """values="predictor": the kept neurons take the int8 predictor's act(g~) * u~ and only their
     down rows are read; every lowering (the C++ op, the aten form under Inductor and eager, the
     masked simulation) computes the reference. F=320 at 40%: k=128."""
     model = tiny_model("llama", intermediate=320)
-    plan = _int8_plan(model, 0.4, values="predictor")
-    ids = _ids(batch, 1)
+    plan = int8_plan(model, 0.4)
+    ids = token_ids(batch, 1)
     plan.down_rows = "bfloat16"  # calibrate's default: the C++ op reads a bf16 copy of the down rows
     expected = predictor_values_reference(model, plan, ids)
     model_rows = predictor_values_reference(model, plan, ids, "model")  # what the aten form reads
-    exact_values = _masked_reference_llama(model, _int8_plan(model, 0.4), ids)
+    exact_values = masked_reference_llama(model, int8_plan(model, 0.4, values="exact"), ids)
     with torch.no_grad():
         for options in ({"inner": "eager"}, {"inner": "inductor"}, {"inner": "inductor", "cpu_lowering": "decomposed"},
                         {"simulate": True, "inner": "eager"}):
@@ -277,7 +172,8 @@ def test_int8_predictor_decode_matches_masked_reference(batch):
     elsewhere) selects what the plan's own scores select. F=320 at 40%: k=128, so the CPU lowering
     splits the down projection's row sum into 4 bags."""
     model = tiny_model("llama", intermediate=320)
-    for options, graph, predictors in _graphs_matching_masked_reference(model, _int8_plan(model, 0.4), _ids(batch, 1)):
+    plan = int8_plan(model, 0.4, values="exact")
+    for options, _, predictors in _graphs_matching_masked_reference(model, plan, token_ids(batch, 1)):
         assert predictors and not any(n.meta["dejavu"]["lookahead"] for n in predictors)
         # on CPU fp32 with the C++ ops: scoring and top-k in one call, in the simulation too
         fused = all(n.target is torch.ops.dejavu.cpu_glu_int8_topk.default for n in predictors)
@@ -288,7 +184,7 @@ def _graphs_matching_masked_reference(model, plan, ids) -> list:
     """Decode `ids` under `plan` with eager, Inductor and the masked simulation; each must give the
     masked reference's logits, which must differ from dense. Returns (options, graph, predictor
     nodes) of each, for the caller's checks on what the graph holds."""
-    expected = _masked_reference_llama(model, plan, ids)
+    expected = masked_reference_llama(model, plan, ids)
     out = []
     with torch.no_grad():
         dense = model(ids, use_cache=False).logits
@@ -296,7 +192,8 @@ def _graphs_matching_masked_reference(model, plan, ids) -> list:
             got, report = _sparse_logits(model, plan, ids, options)
             assert describe_difference("logits", got, expected, rtol=1e-4, atol=1e-4) is None, options
             graph = report.graph.graph
-            out.append((options, graph, [n for n in graph.nodes if n.meta.get("dejavu", {}).get("role") == "predictor"]))
+            predictors = [n for n in graph.nodes if n.meta.get("dejavu", {}).get("role") == "predictor"]
+            out.append((options, graph, predictors))
     assert (dense - expected).abs().max() > 1e-3  # the plan really removed something
     return out
 
@@ -329,7 +226,7 @@ def test_int4_predictor_decode_matches_masked_reference(batch, lookahead):
     model = tiny_model("llama", intermediate=320)
     plan = _int4_plan(model, 0.4, lookahead)
     assert ("bias" in plan.entry(0, "mlp").tensors) == lookahead
-    for options, graph, predictors in _graphs_matching_masked_reference(model, plan, _ids(batch, 1)):
+    for options, graph, predictors in _graphs_matching_masked_reference(model, plan, token_ids(batch, 1)):
         assert len(predictors) == 2 and all(n.meta["dejavu"]["lookahead"] == lookahead for n in predictors)
         consts = [n for n in graph.nodes if n.op == "placeholder" and n.name.endswith("_codes")]
         assert len(consts) == 2 and all(n.meta["example_value"].dtype == torch.uint8 for n in consts), options
@@ -337,9 +234,9 @@ def test_int4_predictor_decode_matches_masked_reference(batch, lookahead):
 
 def test_simulation_is_per_token_on_prefill():
     model = tiny_model("llama")
-    plan = _plan(model, 0.3)
-    ids = _ids(2, 7)
-    expected = _masked_reference_llama(model, plan, ids)
+    plan = sparse_plan(model, 0.3)
+    ids = token_ids(2, 7)
+    expected = masked_reference_llama(model, plan, ids)
     with torch.no_grad():
         got = torch.compile(model, backend="dejavu", options={"plan": plan, "simulate": True, "inner": "eager"})(
             ids, use_cache=False).logits
@@ -348,11 +245,11 @@ def test_simulation_is_per_token_on_prefill():
 
 def test_lookahead_predictor_reads_the_previous_blocks_input():
     model = tiny_model("llama", layers=3)
-    plan = _plan(model, 0.5)
+    plan = sparse_plan(model, 0.5)
     reports = []
     with torch.no_grad():
         torch.compile(model, backend="dejavu", options={"plan": plan, "inner": "eager", "on_report": reports.append})(
-            _ids(1, 1), use_cache=False)
+            token_ids(1, 1), use_cache=False)
     report = reports[-1]
     graph_nodes = list(report.graph.graph.nodes)
     position = {n: i for i, n in enumerate(graph_nodes)}
@@ -370,12 +267,12 @@ def test_lookahead_predictor_reads_the_previous_blocks_input():
 
 def test_prefill_and_large_batches_stay_dense():
     model = tiny_model("llama")
-    plan = _plan(model, 0.5)
+    plan = sparse_plan(model, 0.5)
     reports = []
     with torch.no_grad():
         compiled = torch.compile(model, backend="dejavu",
                                  options={"plan": plan, "inner": "eager", "on_report": reports.append})
-        for ids in (_ids(1, 5), _ids(9, 1)):
+        for ids in (token_ids(1, 5), token_ids(9, 1)):
             torch.testing.assert_close(compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
     reasons = [r.dense_reason for r in reports]
     assert any("prefill" in (r or "") for r in reasons) and any("max_batch" in (r or "") for r in reasons)
@@ -384,10 +281,11 @@ def test_prefill_and_large_batches_stay_dense():
 def test_plan_for_another_model_is_a_clear_error():
     small = tiny_model("llama", intermediate=96)
     other = tiny_model("llama")
-    plan = _plan(small, 0.5)
+    plan = sparse_plan(small, 0.5)
     with pytest.raises(ValueError, match="96 neurons"):
         with torch.no_grad():
-            torch.compile(other, backend="dejavu", options={"plan": plan, "inner": "eager"})(_ids(1, 1), use_cache=False)
+            torch.compile(other, backend="dejavu", options={"plan": plan, "inner": "eager"})(
+                token_ids(1, 1), use_cache=False)
     assert issubclass(PlanMismatchError, ValueError)
 
 
@@ -395,26 +293,27 @@ def test_predictor_values_need_the_int8_predictor_and_no_gate_biases():
     """values="predictor" on a low-rank entry: a clear error before compiling. On a block with
     gate/up biases (the int8 rows leave them out): exact values, and the report says why."""
     model = tiny_model("llama", intermediate=96)
-    plan = _plan(model, 0.5)
+    plan = sparse_plan(model, 0.5)
     for entry in plan.entries.values():
         entry.values = "predictor"
     with pytest.raises(PlanMismatchError, match="values 'predictor' needs the int8"):
         with torch.no_grad():
-            torch.compile(model, backend="dejavu", options={"plan": plan, "inner": "eager"})(_ids(1, 1), use_cache=False)
+            torch.compile(model, backend="dejavu", options={"plan": plan, "inner": "eager"})(
+                token_ids(1, 1), use_cache=False)
     biased = tiny_model("llama", intermediate=96, mlp_bias=True)
-    plan = _int8_plan(biased, 0.5, values="predictor")
-    ids = _ids(1, 1)
+    plan = int8_plan(biased, 0.5)
+    ids = token_ids(1, 1)
     with torch.no_grad():
         got, report = _sparse_logits(biased, plan, ids, {})
-    expected = _masked_reference_llama(biased, _int8_plan(biased, 0.5), ids)
+    expected = masked_reference_llama(biased, int8_plan(biased, 0.5, values="exact"), ids)
     assert describe_difference("logits", got, expected, rtol=1e-4, atol=1e-4) is None
     assert any("biases" in why for _, why in report.match.fallbacks)
 
 
 def test_predictor_dtype_follows_the_model():
     model = tiny_model("llama").to(torch.bfloat16)
-    plan = _plan(model, 1.0, entry_cls=AlwaysSparseEntry)
-    ids = _ids(1, 1)
+    plan = sparse_plan(model, 1.0, entry_cls=AlwaysSparseEntry)
+    ids = token_ids(1, 1)
     with torch.no_grad():
         expected = model(ids, use_cache=False).logits
         got = torch.compile(model, backend="dejavu", options={"plan": plan, "inner": "eager", "strict": True})(
@@ -425,7 +324,7 @@ def test_predictor_dtype_follows_the_model():
 
 def test_prepare_model_relays_out_in_place_without_changing_results():
     model = tiny_model("llama")
-    ids = _ids()
+    ids = token_ids()
     with torch.no_grad():
         before = model(ids).logits
     changed = prepare_model(model)
@@ -442,20 +341,22 @@ def test_report_counts_the_memory_the_graph_adds():
     """extra_bytes: the predictors, the head-row tables, and the transposed weight copies that
     prepare_model makes unnecessary."""
     model = tiny_model("llama")
-    plan = _plan(model, 0.5, attn_density=0.5)
+    plan = sparse_plan(model, 0.5, attn_density=0.5)
 
     def extra_bytes():
         reports = []
         torch._dynamo.reset()
         with torch.no_grad():
             torch.compile(model, backend="dejavu", options={"plan": plan, "inner": "eager", "strict": True,
-                                                            "on_report": reports.append})(_ids(1, 1), use_cache=False)
+                                                            "on_report": reports.append})(
+                token_ids(1, 1), use_cache=False)
         return reports[-1].extra_bytes
 
     before = extra_bytes()
     prepare_model(model)
     after = extra_bytes()
-    copies = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "down_proj" in name or "o_proj" in name)
+    copies = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                 if "down_proj" in name or "o_proj" in name)
     predictors = sum(e.read_bytes(4) for e in plan.entries.values() if not e.dense)
     head_tables = 2 * 4 * 16 * 8  # per layer: (heads, head_dim) int64 query-row ids
     assert after == predictors + head_tables
@@ -487,8 +388,8 @@ def test_plans_compile_under_inductors_cpp_wrapper():
     as soon as one placeholder carries it. Dynamo's placeholders carry none, so the predictor tensors
     a pass adds must not either: otherwise every parameter reaches AOT tracing as None."""
     model = tiny_model("llama", intermediate=320)
-    plan = _int8_plan(model, 0.4, values="predictor")
-    ids = _ids(1, 1)
+    plan = int8_plan(model, 0.4)
+    ids = token_ids(1, 1)
     expected = predictor_values_reference(model, plan, ids)
     with torch.no_grad():
         got, report = _sparse_logits(model, plan, ids, {"inductor_config": {"cpp_wrapper": True}})

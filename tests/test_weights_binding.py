@@ -11,11 +11,7 @@ import torch
 from dejavu_compile.errors import PlanMismatchError
 from dejavu_compile.plan.sparsity_plan import FORMAT_VERSION, SparsityPlan
 from dejavu_compile.testing.tiny import tiny_model
-from tests.helpers import fine_tuned, int8_plan
-
-
-def _ids(batch=1, seed=0):
-    return torch.randint(3, 120, (batch, 1), generator=torch.Generator().manual_seed(seed))
+from tests.helpers import fine_tuned, int8_plan, token_ids
 
 
 def _compile_and_run(model, plan, **options):
@@ -23,7 +19,7 @@ def _compile_and_run(model, plan, **options):
     compiled = torch.compile(model, backend="dejavu", options={
         "plan": plan, "inner": "eager", "strict": True, "on_report": reports.append, **options})
     with torch.no_grad():
-        compiled(_ids(), use_cache=False)
+        compiled(token_ids(1, 1), use_cache=False)
     return reports
 
 
