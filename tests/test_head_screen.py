@@ -13,7 +13,7 @@ from dejavu_compile.compiler.passes.head_screen import output_head
 from dejavu_compile.compiler.passes.runner import dejavu_op_nodes
 from dejavu_compile.kernels import int8_linear
 from dejavu_compile.kernels.cpu import native
-from dejavu_compile.plan.predictors.glu_int8 import quantize_rows_int8
+from dejavu_compile.kernels.int8 import quantize_rows_int8
 from dejavu_compile.plan.sparsity_plan import (
     HEAD_CANDIDATES,
     HEAD_MIN_ROWS,

@@ -77,3 +77,34 @@ def test_an_entry_off_its_dtypes_is_passed_over(registered):
     assert lowering.choose_lowering({"inner": "eager"}, torch.zeros(4, 4)).name != "torch_copy_fp64_only"
     assert lowering.choose_lowering({"inner": "eager"}, torch.zeros(4, 4, dtype=torch.float64)).name \
         == "torch_copy_fp64_only"
+
+
+def test_a_dense_gemv_entry_takes_the_projections_and_its_wrapper_property_decides(registered, monkeypatch):
+    """An entry filling only the dense GEMV role, above native's priority, takes every decode
+    projection (native still lowers nothing else here: there is no plan); the graph then holds no
+    entry that asks for the C++ wrapper, so Inductor keeps its Python wrapper."""
+    import torch._inductor.compile_fx as compile_fx
+    import torch.nn.functional as F
+
+    calls, seen = [], []
+
+    def emit_linear(graph, x, weight, bias):
+        calls.append(weight.name)
+        return graph.call_function(F.linear, (x, weight, bias))
+
+    registered(lowering.KernelLowering("aten_gemv", ("cpu",), None, lowering.always, None, priority=35,
+                                       emit_linear=emit_linear))
+    assert lowering.dense_kernel("linear", {}, torch.zeros(4, 4)).name == "aten_gemv"
+    assert lowering.dense_kernel("screened_head", {}, torch.zeros(4, 4)).name == "native"
+    monkeypatch.setattr(compile_fx, "compile_fx",
+                        lambda gm, inputs, config_patches=None, **kw: seen.append(dict(config_patches or {}))
+                        or gm.forward)
+    model = tiny_model("llama", layers=1)
+    forward = torch.compile(model.forward, backend="dejavu", options={"inner": "inductor"})
+    ids = token_ids(tokens=1)
+    with torch.no_grad():
+        got = forward(ids, use_cache=False).logits
+        want = model(ids, use_cache=False).logits
+    torch.testing.assert_close(got, want)
+    assert len(calls) == 7 + 1  # q, k, v, o, gate, up, down and the output head
+    assert seen and "cpp_wrapper" not in seen[-1]

@@ -55,7 +55,7 @@ def test_explain_matches_every_layer(arch, attn):
             assert block.rotary == rotary
             assert block.cache == "cat"
             # Head h of q must read the rows of its own slice of the (possibly fused) weight.
-            rows = block.nodes["head_rows"]["q"]
+            rows = block.nodes.head_rows["q"]
             assert rows.shape == (heads, 64 // heads)
             assert rows.flatten().unique().numel() == 64
     assert "left dense: nothing" in str(report)
@@ -71,7 +71,7 @@ def test_explain_row_mapping_is_numerically_right():
     x = torch.randn(3, 64)
     fused = F.linear(x, weight)  # (3, 3 * heads * head_dim), layout (heads, 3, head_dim)
     per_head = fused.view(3, 4, 3, 16)[:, :, 0, :]  # HF's own split: chunk(3) of each head's slice
-    rows = attn.nodes["head_rows"]["q"]
+    rows = attn.nodes.head_rows["q"]
     assert torch.equal(fused[:, rows], per_head)
 
 
@@ -121,10 +121,10 @@ def test_alibi_attention_is_matched_with_its_per_head_bias():
     assert (report.attention_matched, report.mlp_matched) == (2, 2) and report.fallbacks == [], str(report)
     for block in (b for b in report.blocks if b.kind == "attention"):
         assert (block.position_bias, block.attention, block.num_heads, block.head_dim) == ("alibi", "eager", 4, 16)
-        assert block.nodes["position_bias"] is not None
+        assert block.nodes.position_bias is not None
         assert block.q.name == f"transformer.h.{block.layer}.self_attention.query_key_value.weight"
         # head h of q reads rows [48h, 48h + 16) of the per-head interleaved q/k/v weight
-        rows = block.nodes["head_rows"]["q"]
+        rows = block.nodes.head_rows["q"]
         assert torch.equal(rows, torch.arange(4)[:, None] * 48 + torch.arange(16))
     llama = dejavu_compile.explain(tiny_model("llama", attn_implementation="eager"), token_ids(1, 5))
     assert {b.position_bias for b in llama.blocks if b.kind == "attention"} == {"none"}  # a shared mask is no bias

@@ -98,7 +98,7 @@ def test_only_the_selected_heads_rows_are_read():
     attentions = [n for n in nodes if n.target is torch._C._nn.scaled_dot_product_attention]
     assert len(attentions) == 3, "the dense attention must not run beside the head-sparse one"
     assert all(n.args[0].target is torch.take_along_dim for n in attentions)  # the selected query heads
-    mlp_inputs = {b.layer: b.nodes["input"].name for b in report.match.mlp}
+    mlp_inputs = {b.layer: b.nodes.input.name for b in report.match.mlp}
     predictors = [n for n in nodes if n.meta.get("dejavu", {}).get("role") == "predictor"]
     assert len(predictors) == 3
     for node in predictors:

@@ -255,7 +255,7 @@ def test_lookahead_predictor_reads_the_previous_blocks_input():
     position = {n: i for i, n in enumerate(graph_nodes)}
     predictors = [n for n in graph_nodes if n.meta.get("dejavu", {}).get("role") == "predictor"]
     assert len(predictors) == 3
-    attention_inputs = {b.layer: b.nodes["input"].name for b in report.match.attention}
+    attention_inputs = {b.layer: b.nodes.input.name for b in report.match.attention}
     for node in predictors:
         meta = node.meta["dejavu"]
         assert meta["lookahead"] and meta["reads"] == attention_inputs[meta["layer"]]

@@ -34,7 +34,6 @@ from dejavu_compile.calibration.collect import collect
 from dejavu_compile.plan import predictors, rules
 from dejavu_compile.plan.predictors.metrics import mass_captured, mass_curve, recall
 from dejavu_compile.plan.predictors.registry import FitInputs
-from dejavu_compile.plan.predictors.twolayer import train_predictor
 from dejavu_compile.plan.sparsity_plan import (
     DEFAULT_DOWN_ROWS,
     PlanEntry,
@@ -358,15 +357,14 @@ def fit_mlp_predictor(model, s, block, options: Options, fit_idx, val_idx, rank:
 
 
 def fit_head_predictor(fit: LayerFit, s, previous, fit_idx, val_idx, min_density: float, seed: int) -> None:
-    """Deja Vu's two-layer predictor for the query heads, listwise loss (serves every k); reads the
-    previous layer's MLP input with lookahead."""
+    """The registry's head predictor kind for the query heads (Deja Vu's two-layer predictor, a
+    listwise loss that serves every k); reads the previous layer's MLP input with lookahead."""
     xa = previous.mlp_input if previous is not None else s.attn_input
     heads = s.attn_importance.shape[1]
-    p = train_predictor(xa[fit_idx], s.attn_importance[fit_idx], max(1, heads // 2), rank=min(64, xa.shape[1]),
-                        loss="soft", steps=150, batch_size=2048, seed=seed)
+    kind = predictors.head_kind()
+    fit.attn_tensors = kind.fit_heads(xa[fit_idx], s.attn_importance[fit_idx], seed)
     with torch.no_grad():
-        fit.attn_scores = p(xa[val_idx])
-    fit.attn_tensors = p.tensors()
+        fit.attn_scores = kind.scores(fit.attn_tensors, xa[val_idx], "identity")
     fit.attn_importance = s.attn_importance[val_idx]
     grid = rules.k_grid(heads, min(min_density, 1.0 / heads), heads)
     fit.attn_curve = {k: 1.0 - m for k, m in mass_curve(fit.attn_scores, fit.attn_importance, grid).items()}

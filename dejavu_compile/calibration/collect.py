@@ -84,16 +84,16 @@ def _instrument(gm: fx.GraphModule, blocks) -> None:
     for block in blocks:
         layer = block.layer
         if isinstance(block, MLPBlock):
-            taps = [(_record, block.nodes["input"], "mlp_input"),
-                    (_record_abs, block.nodes["hidden"], "mlp_importance")]
+            taps = [(_record, block.nodes.input, "mlp_input"),
+                    (_record_abs, block.nodes.hidden, "mlp_importance")]
             for fn, node, name in taps:
                 with graph.inserting_after(node):
                     graph.call_function(fn, (layer, name, node))
         elif isinstance(block, AttentionBlock):
-            node = block.nodes["input"]
+            node = block.nodes.input
             with graph.inserting_after(node):
                 graph.call_function(_record, (layer, "attn_input", node))
-            o_in = block.nodes["o_input"]
+            o_in = block.nodes.o_input
             with graph.inserting_after(o_in):
                 graph.call_function(_record_heads, (layer, o_in, block.o.node, block.num_heads, block.o.layout))
     gm.recompile()

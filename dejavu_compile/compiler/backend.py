@@ -159,12 +159,6 @@ def _static_examples(tensors) -> list:
 CPU_DECODE_INDUCTOR_CONFIG = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 
-def _holds_cpu_ops(gm: fx.GraphModule) -> bool:
-    from dejavu_compile.compiler.passes.runner import dejavu_op_nodes
-
-    return any(n.target._opname.startswith("cpu_") for n in dejavu_op_nodes(gm))
-
-
 def _compile_inner_plain(gm: fx.GraphModule, example_inputs, options: dict, mode: str | None):
     if options["inner"] == "eager":
         return gm.forward
@@ -172,7 +166,9 @@ def _compile_inner_plain(gm: fx.GraphModule, example_inputs, options: dict, mode
     from torch._inductor.compile_fx import compile_fx
 
     patches = dict(list_mode_options(mode) if mode else {})
-    if _holds_cpu_ops(gm):
+    from dejavu_compile.compiler.passes.lowering import holds_cpp_wrapper_kernels
+
+    if holds_cpp_wrapper_kernels(gm):
         patches.update(CPU_DECODE_INDUCTOR_CONFIG)
     patches.update(options["inductor_config"] or {})
     return compile_fx(gm, example_inputs, config_patches=patches or None)

@@ -2,12 +2,13 @@
 
 A record names every weight by its parameter path in the user's model (so a plan can be keyed by it
 and checked against it) and keeps the FX nodes of the region it covers (so passes can rewrite it).
+A user rule fills the same records: the passes read nothing else (``MLPNodes``, ``AttentionNodes``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
+import torch
 import torch.fx as fx
 
 
@@ -37,6 +38,38 @@ class WeightRef:
 
 
 @dataclass
+class MLPNodes:
+    """The FX nodes of one MLP block that the sparse passes rewrite and calibration taps."""
+
+    input: fx.Node  # x, the tensor gate and up read (..., d)
+    hidden: fx.Node  # act(gate(x)) * up(x) (or act(up(x))): the down projection's input (..., F)
+    output: fx.Node  # the block's output, down(hidden), as the model uses it
+    down: fx.Node  # the down projection's call (linear / addmm / matmul)
+    up: fx.Node  # the up projection's call
+    gate: fx.Node | None = None  # the gate projection's call (None for a plain MLP)
+
+
+@dataclass
+class AttentionNodes:
+    """The FX nodes of one self-attention block that the sparse passes rewrite and calibration taps."""
+
+    input: fx.Node  # x, the tensor q, k and v read (..., d)
+    # the attention output: (B, H, T, D), or (B * H, T, D) when eager attention folds heads into the batch axis
+    core: fx.Node
+    o_input: fx.Node  # what the output projection reads: the heads as (..., H * D)
+    o: fx.Node  # the output projection's call
+    output: fx.Node  # the block's output, o(o_input)
+    q: fx.Node  # the query projection's call
+    k: fx.Node  # the key projection's call
+    v: fx.Node  # the value projection's call
+    q_x: fx.Node  # the query projection's input (x, or a view of it)
+    q_out: fx.Node  # the query projection's output, before the head reshape
+    # per role, the weight rows each head owns: an int64 (heads, head_dim) table into the projection's output
+    head_rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    position_bias: fx.Node | None = None  # the ALiBi bias added to the scores, or None
+
+
+@dataclass
 class MLPBlock:
     """``down(act(gate(x)) * up(x))`` (gated) or ``down(act(up(x)))`` (plain)."""
 
@@ -53,8 +86,7 @@ class MLPBlock:
     tokens: int  # tokens per sequence in this graph
     batch: int
     module: str = ""
-    # FX nodes: "input" (x), "hidden" (input of the down projection), "output" (the block's output).
-    nodes: dict[str, fx.Node] = field(default_factory=dict, repr=False, compare=False)
+    nodes: MLPNodes | None = field(default=None, repr=False, compare=False)
     kind: str = "mlp"
 
     @property
@@ -90,9 +122,7 @@ class AttentionBlock:
     # "alibi": the scores get an additive bias with one slice per query head (ALiBi: BLOOM, MPT,
     # Falcon); heads stay independent, so dropping one drops its bias too. "none" otherwise.
     position_bias: str = "none"
-    # FX nodes: "input", "core" (the attention output: (B, H, T, D), or (B * H, T, D) when eager
-    # attention folds the heads into the batch axis), "o_input", "output", "position_bias" (or None)...
-    nodes: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    nodes: AttentionNodes | None = field(default=None, repr=False, compare=False)
     kind: str = "attention"
 
     @property

@@ -1,6 +1,6 @@
 """``dejavu::int8_linear``: the int8 predictor's GEMV, ``(x @ w_int8.T) * scale``.
 
-The int8 predictor (plan entries ``glu_int8``) reads the block's own gate/up weights quantized per
+The int8 predictor reads the block's own gate/up weights quantized per
 row. On CPU fp32 the product runs in the C kernel of ``cpu/cpu_sparse_mlp.c`` (x quantized to int16
 per row, integer multiply-adds): the same arithmetic as the backend's fused ``cpu_glu_int8_topk``,
 so calibration, the masked simulation and the compiled decode step score neurons with the same
@@ -25,6 +25,13 @@ from .cpu import native
 _PACKED: dict[int, tuple] = {}  # id(w_int8) -> (weakref to w, version, id(scale), packed params)
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # x dtypes the C kernel takes (through fp32)
 _FBGEMM = any(e in torch.backends.quantized.supported_engines for e in ("x86", "fbgemm"))
+
+
+def quantize_rows_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """(n, d) float rows -> ((n, d) int8, (n,) fp32 scales): symmetric, one scale per row."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
 def _packed(w: Tensor, scale: Tensor):

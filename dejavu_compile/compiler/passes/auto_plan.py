@@ -1,7 +1,7 @@
 """Pass ``auto_plan``: option ``mlp_density`` without a plan builds the training-free int8 plan from
 the weights the graph computes with.
 
-Each matched gated MLP gets the ``glu_int8`` predictor (its own gate/up rows in int8; nothing is
+Each matched gated MLP gets the registry's training-free predictor (its own gate/up rows in int8; nothing is
 fitted, so no data is needed) keeping ``mlp_density`` of its neurons, rounded as ``calibrate``'s
 uniform allocation rounds it, and takes the kept neurons' values from the predictor where the block
 has no gate/up biases: the plan ``calibrate(model, tokenizer, mlp_density=...)`` makes by default on

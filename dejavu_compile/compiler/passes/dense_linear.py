@@ -23,6 +23,7 @@ import torch.fx as fx
 
 from dejavu_compile.compiler.passes.graph_utils import example_value, find_linears
 from dejavu_compile.compiler.passes.guards import needs_gradients, training_reason
+from dejavu_compile.compiler.passes.lowering import dense_kernel
 
 # What the C++ ops' kernels read (cpu_ops.cpp's kernel_dtype).
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -76,22 +77,19 @@ class DenseLinearPass:
         lowerings = []
         for lin in find_linears(gm).values():
             bias = example_value(lin.bias) if lin.bias is not None else None
-            if lowerable(example_value(lin.x), example_value(lin.weight), bias, lin.layout) is None:
-                lowerings.append(lin)
-        if not lowerings:
-            return gm
-        from dejavu_compile import kernels
-
-        if not kernels.cpu_ops_available():
-            return gm
+            weight = example_value(lin.weight)
+            if lowerable(example_value(lin.x), weight, bias, lin.layout) is None:
+                kernel = dense_kernel("linear", ctx.opts, weight)
+                if kernel is not None:
+                    lowerings.append((lin, kernel))
         graph = gm.graph
-        for lin in lowerings:
+        for lin, kernel in lowerings:
             weight, last = lin.weight, lin.out
             if lin.layout == "in_out":  # (d, n) as stored: the op takes the (n, d) view
                 with graph.inserting_after(last):
                     weight = last = graph.call_function(torch.t, (lin.weight,))
             with graph.inserting_after(last):
-                out = graph.call_function(torch.ops.dejavu.cpu_linear.default, (lin.x, weight, lin.bias))
+                out = kernel.use(gm, "linear")(graph, lin.x, weight, lin.bias)
             out.meta.update({k: v for k, v in lin.out.meta.items() if k in ("example_value", "val", "stack_trace")})
             lin.out.replace_all_uses_with(out)
             _erase_unused(graph, [lin.out, lin.call, *lin.call.all_input_nodes])

@@ -34,7 +34,8 @@ from dejavu_compile.compiler.passes.graph_utils import (
     module_of,
     shape_of,
 )
-from dejavu_compile.plan.predictors.glu_int8 import quantize_rows_int8
+from dejavu_compile.compiler.passes.lowering import dense_kernel
+from dejavu_compile.kernels.int8 import quantize_rows_int8
 
 EMBEDDING_FUNCTIONS = {F.embedding, torch.embedding}
 
@@ -75,7 +76,7 @@ def _screen_constants(gm: fx.GraphModule, lin: LinearCall, weight: torch.Tensor)
     return add_constant(gm, gm.graph, "dejavu_head_int8", q), add_constant(gm, gm.graph, "dejavu_head_scale", scale)
 
 
-def screen_reason(lin: LinearCall, k: int) -> str | None:
+def screen_reason(lin: LinearCall, k: int, opts: dict) -> str | None:
     """Why this head keeps its dense projection, or None when the screen lowers it."""
     x, weight = example_value(lin.x), example_value(lin.weight)
     bias = example_value(lin.bias) if lin.bias is not None else None
@@ -84,10 +85,8 @@ def screen_reason(lin: LinearCall, k: int) -> str | None:
     reason = lowerable(x, weight, bias, lin.layout)
     if reason is not None:
         return reason
-    from dejavu_compile import kernels
-
-    if not kernels.cpu_ops_available():
-        return "the C++ CPU ops are unavailable"
+    if dense_kernel("screened_head", opts, weight) is None:
+        return "no kernel for the screened head here (the C++ CPU ops are unavailable)"
     return None
 
 
@@ -108,7 +107,7 @@ class HeadScreenPass:
                                                        "graph's output: the head stays dense"))
             return gm
         where = f"output head ({module_of(lin.weight_name)})"
-        reason = screen_reason(lin, k) if lin.weight in ctx.values(gm) else "its weight is not a graph input"
+        reason = screen_reason(lin, k, ctx.opts) if lin.weight in ctx.values(gm) else "its weight is not a graph input"
         if reason is not None:
             ctx.match.fallbacks.append((where, f"{reason}: the head stays dense"))
             return gm
@@ -116,8 +115,8 @@ class HeadScreenPass:
         q_node, scale_node = _screen_constants(gm, lin, ctx.values(gm)[lin.weight])
         with graph.inserting_before(lin.out.next):
             weight = lin.weight if lin.layout == "out_in" else graph.call_function(torch.t, (lin.weight,))
-            out = graph.call_function(torch.ops.dejavu.cpu_screened_linear.default,
-                                      (lin.x, weight, q_node, scale_node, k, lin.bias))
+            kernel = dense_kernel("screened_head", ctx.opts, ctx.values(gm)[lin.weight])
+            out = kernel.use(gm, "screened_head")(graph, lin.x, weight, q_node, scale_node, k, lin.bias)
         out.meta.update({key: v for key, v in lin.out.meta.items() if key in ("example_value", "val", "stack_trace")})
         out.meta["dejavu"] = {"role": "head_screen", "k": k}
         lin.out.replace_all_uses_with(out)

@@ -1,10 +1,12 @@
-"""Which kernels a sparse MLP is lowered to: a registry of kernel lowerings.
+"""The kernel table: the one place every pass that emits a kernel asks which.
 
-A :class:`KernelLowering` says where it runs (device types, dtypes, an availability check) and how
-it writes a sparse MLP into the graph (``emit_mlp``); it may also fuse the int8 predictor's scoring
-and top-k (``emit_int8_topk``) and the whole block from the int8 predictor's values
-(``emit_int8_values_mlp``), otherwise the aten forms of ``predictor_graph`` are used. A new backend
-is one folder of kernels (registering ``torch.ops.dejavu.*``) plus one :func:`register_lowering`.
+A :class:`KernelLowering` says where it runs (device types, dtypes, an availability check), its
+priority, and how it writes each role it fills into the graph (``ROLE_HOOKS``): the sparse MLP
+(``emit_mlp``), the int8 predictor's scoring and top-k (``emit_int8_topk``), the whole block from
+the int8 predictor's values (``emit_int8_values_mlp``), the dense decode GEMV (``emit_linear``,
+pass ``dense_linear``) and the screened output head (``emit_screened_linear``, pass
+``head_screen``). A role no applicable entry fills keeps its aten form. A new backend is one folder
+of kernels (registering ``torch.ops.dejavu.*``) plus one :func:`register_lowering`.
 
 Built-in entries:
 
@@ -86,23 +88,55 @@ class EmitInt8ValuesMLP(Protocol):
         """The whole block from the int8 predictor's values: (output node, predictor node)."""
 
 
+class EmitLinear(Protocol):
+    def __call__(self, graph: fx.Graph, x: fx.Node, weight: fx.Node, bias: Optional[fx.Node]) -> fx.Node:
+        """A dense projection of x (..., d) by weight (n, d) (one unit stride): (..., n)."""
+
+
+class EmitScreenedLinear(Protocol):
+    def __call__(self, graph: fx.Graph, x: fx.Node, weight: fx.Node, q: fx.Node, scale: fx.Node, k: int,
+                 bias: Optional[fx.Node]) -> fx.Node:
+        """The output head screened by its int8 rows q (n, d) and scales (n,): every output estimated,
+        the top k of each row exact from weight (n, d): (..., n)."""
+
+
+# The roles a kernel table entry may fill, and the hook that fills each.
+ROLE_HOOKS = {"mlp": "emit_mlp", "int8_topk": "emit_int8_topk", "int8_values_mlp": "emit_int8_values_mlp",
+              "linear": "emit_linear", "screened_head": "emit_screened_linear"}
+
+
 @dataclass(frozen=True)
 class KernelLowering:
-    """One way to lower a sparse MLP. Among the entries that apply to a block, the automatic choice
-    takes the highest ``priority``; ``automatic=False`` entries run only when the ``lowering`` option
-    names them, and ``auto_inner`` limits the automatic choice to some inner compilers."""
+    """One kernel backend's entry in the table: where it runs, its priority, and a hook per role it
+    fills (``ROLE_HOOKS``: the sparse MLP, the int8 predictor's scores + top-k, the whole MLP from the
+    int8 predictor's values, the dense GEMV, the screened output head). Among the entries that apply
+    to a block, the automatic choice takes the highest ``priority``; ``automatic=False`` entries run
+    only when the ``lowering`` option names them, and ``auto_inner`` limits the automatic choice to
+    some inner compilers. ``cpp_wrapper``: its ops are C++ ops that Inductor's C++ wrapper calls with
+    no Python between them (the backend compiles a graph holding any with that wrapper)."""
 
     name: str
     device_types: tuple[str, ...]
     dtypes: Optional[tuple[torch.dtype, ...]]  # None: any floating dtype
     is_available: Callable[[dict, str], bool]  # (backend options, device type) -> whether it can run here
-    emit_mlp: Callable[[fx.Graph, SparseMLPNodes], fx.Node]  # -> (tokens, d_out)
+    emit_mlp: Optional[Callable[[fx.Graph, SparseMLPNodes], fx.Node]]  # -> (tokens, d_out)
     priority: int = 0
     automatic: bool = True
     auto_inner: Optional[tuple[str, ...]] = None  # inner compilers it is chosen automatically under (None: any)
     needs_contiguous_rows: bool = False  # gate/up rows must have unit stride (not Conv1D's (in, out))
     emit_int8_topk: Optional[EmitInt8TopK] = None
     emit_int8_values_mlp: Optional[EmitInt8ValuesMLP] = None
+    emit_linear: Optional[EmitLinear] = None
+    emit_screened_linear: Optional[EmitScreenedLinear] = None
+    cpp_wrapper: bool = False
+
+    def fills(self, role: str) -> bool:
+        return getattr(self, ROLE_HOOKS[role]) is not None
+
+    def use(self, gm: fx.GraphModule, role: str):
+        """The hook for ``role``, noting in ``gm.meta["dejavu_kernels"]`` that the graph holds this entry's ops."""
+        gm.meta.setdefault("dejavu_kernels", set()).add(self.name)
+        return getattr(self, ROLE_HOOKS[role])
 
     def applies(self, opts: dict, weight: Optional[torch.Tensor], rows_contiguous: bool = True,
                 dtype: Optional[torch.dtype] = None) -> bool:
@@ -164,16 +198,32 @@ def preference(opts: dict) -> tuple[str, ...]:
 def choose_lowering(opts: dict, weight: Optional[torch.Tensor], rows_contiguous: bool = True,
                     dtype: Optional[torch.dtype] = None) -> KernelLowering:
     """The kernel lowering for a sparse MLP whose up weight is ``weight`` (see :func:`preference`);
-    ``dtype`` overrides the weight's (the int8 predictor computes in fp32 in a model of any dtype)."""
+    ``dtype`` overrides the weight's (the int8 predictor computes in fp32 in a model of any dtype).
+    Its int8 hooks, where it has them, fuse the int8 predictor; otherwise the aten forms run."""
     names = preference(opts)
     for name in names:
         lowering = lowering_named(name)
-        if lowering.applies(opts, weight, rows_contiguous, dtype):
+        if lowering.fills("mlp") and lowering.applies(opts, weight, rows_contiguous, dtype):
             return lowering
     device = weight.device.type if weight is not None else "cpu"
     dtype = dtype or (weight.dtype if weight is not None else torch.float32)
     raise DejavuOptionError(f"kernel lowering {names[0]!r} cannot run here (device {device}, "
                             f"inner={opts.get('inner', 'inductor')!r}, dtype {dtype})")
+
+
+def dense_kernel(role: str, opts: dict, weight: Optional[torch.Tensor]) -> KernelLowering | None:
+    """The entry of highest priority that fills a dense role ("linear", "screened_head") for this
+    weight, among the automatic ones (``lowering`` and ``cpu_lowering`` choose the sparse MLP's
+    kernels only; ``dense_lowering="aten"`` turns the dense roles off); None: the traced op stays."""
+    for entry in sorted(_LOWERINGS.values(), key=lambda e: -e.priority):
+        if entry.automatic and entry.fills(role) and entry.applies(opts, weight):
+            return entry
+    return None
+
+
+def holds_cpp_wrapper_kernels(gm: fx.GraphModule) -> bool:
+    """Whether the graph holds ops of an entry that asks for Inductor's C++ wrapper."""
+    return any(_LOWERINGS[name].cpp_wrapper for name in gm.meta.get("dejavu_kernels", ()) if name in _LOWERINGS)
 
 
 def cpu_lowering(opts, weight, rows_contiguous: bool = True) -> str | None:
@@ -251,6 +301,14 @@ def emit_native_int8_values_mlp(gm, graph, block, entry, x2d, w_down_t, b_down, 
     return graph.call_function(operator.getitem, (both, 0)), both
 
 
+def emit_native_linear(graph, x, weight, bias) -> fx.Node:
+    return graph.call_function(torch.ops.dejavu.cpu_linear.default, (x, weight, bias))
+
+
+def emit_native_screened_linear(graph, x, weight, q, scale, k, bias) -> fx.Node:
+    return graph.call_function(torch.ops.dejavu.cpu_screened_linear.default, (x, weight, q, scale, k, bias))
+
+
 def emit_decomposed(graph, m: SparseMLPNodes) -> fx.Node:
     """sum_j act(w_gate[j].x) * (w_up[j].x) * w_down_t[j] over j in idx, as plain aten ops that
     Inductor schedules in one graph (no per-layer op call): it turns the one-column bmm into a
@@ -298,7 +356,9 @@ register_lowering(KernelLowering("triton", ("cuda", "cpu"), None, triton_availab
 register_lowering(KernelLowering("native", ("cpu",), (torch.float32, torch.bfloat16, torch.float16), cpu_ops_available,
                                  emit_native, priority=30, needs_contiguous_rows=True,
                                  emit_int8_topk=emit_native_int8_topk,
-                                 emit_int8_values_mlp=emit_native_int8_values_mlp))
+                                 emit_int8_values_mlp=emit_native_int8_values_mlp,
+                                 emit_linear=emit_native_linear, emit_screened_linear=emit_native_screened_linear,
+                                 cpp_wrapper=True))
 register_lowering(KernelLowering("decomposed", ("cpu",), None, always, emit_decomposed, priority=20,
                                  auto_inner=("inductor",)))
 register_lowering(KernelLowering("op", ("cpu", "cuda"), None, always, emit_custom_op, priority=10))

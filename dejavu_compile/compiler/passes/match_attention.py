@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from dejavu_compile.compiler.blocks import AttentionBlock
+from dejavu_compile.compiler.blocks import AttentionBlock, AttentionNodes
 from dejavu_compile.compiler.passes.graph_utils import (
     LinearCall,
     common_module,
@@ -338,10 +338,11 @@ class AttentionRule:
             tokens=tokens,
             batch=q_shape[0],
             module=common_module([w.name for w in weights.values()]),
-            nodes={"input": next(iter(inputs)), "core": node, "output": o_lin.out, "o": o_lin.call,
-                   "o_input": o_input, "q": roles["q"][0].call, "k": roles["k"][0].call, "v": roles["v"][0].call,
-                   "q_out": q_lin.out, "q_x": q_lin.x, "head_rows": {r: rows for r, (_, rows, _) in roles.items()},
-                   "q_heads": q_heads, "position_bias": position_bias},
+            nodes=AttentionNodes(input=next(iter(inputs)), core=node, o_input=o_input, o=o_lin.call,
+                                 output=o_lin.out, q=roles["q"][0].call, k=roles["k"][0].call,
+                                 v=roles["v"][0].call, q_x=q_lin.x, q_out=q_lin.out,
+                                 head_rows={r: rows for r, (_, rows, _) in roles.items()},
+                                 position_bias=position_bias),
         )
         ctx.claim(o_lin.call, block, [node])
         return block

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from dejavu_compile import activations
-from dejavu_compile.compiler.blocks import MLPBlock
+from dejavu_compile.compiler.blocks import MLPBlock, MLPNodes
 from dejavu_compile.compiler.passes.graph_utils import (
     LinearCall,
     common_module,
@@ -216,8 +216,8 @@ class MLPRule:
             tokens=tokens,
             batch=batch,
             module=common_module(names),
-            nodes={"input": x, "hidden": down.x, "output": down.out, "down": down.call,
-                   "up": up_lin.call, "gate": leaves[gate][0].call if gate else None},
+            nodes=MLPNodes(input=x, hidden=down.x, output=down.out, down=down.call, up=up_lin.call,
+                           gate=leaves[gate][0].call if gate else None),
         )
 
 

@@ -26,7 +26,7 @@ def check_plan_against_blocks(plan, blocks) -> None:
                             f" model has {total}")
         predictor = entry.predictor_kind
         if predictor is not None:
-            width = block.hidden_size if mlp else (shape_of(block.nodes.get("input")) or [None])[-1]
+            width = block.hidden_size if mlp else (shape_of(block.nodes.input) or [None])[-1]
             reason = predictor.fits_block(entry.tensors, block.gated if mlp else None, width)
             if reason is None and not mlp and predictor.needs_gate:
                 reason = f"predictor {entry.predictor!r} models a gated MLP, not attention heads"

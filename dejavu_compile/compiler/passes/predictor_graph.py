@@ -63,7 +63,7 @@ def emit_int8_selection(gm, graph, block: MLPBlock, entry, x2d: fx.Node, prefix:
     the model's (None: unknown)."""
     estimate = emit_values(gm, graph, entry, x2d, prefix, dtype, device)
     estimate.meta["dejavu"] = {"role": "predictor", "layer": block.layer, "kind": "mlp",
-                               "reads": block.nodes["input"].name, "lookahead": False}
+                               "reads": block.nodes.input.name, "lookahead": False}
     top = graph.call_function(torch.topk, (graph.call_function(torch.abs, (estimate,)), entry.k),
                               {"dim": -1, "sorted": False})
     return estimate, graph.call_function(operator.getitem, (top, 1))

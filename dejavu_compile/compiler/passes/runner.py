@@ -64,7 +64,7 @@ class PassContext:
         taken before any rewrite."""
         if "ordered" not in self.cache:
             order = {n: i for i, n in enumerate(gm.graph.nodes)}
-            self.cache["ordered"] = sorted(self.match.blocks, key=lambda b: order.get(b.nodes["input"], -1))
+            self.cache["ordered"] = sorted(self.match.blocks, key=lambda b: order.get(b.nodes.input, -1))
         return self.cache["ordered"]
 
 

@@ -32,10 +32,10 @@ def takes_predictor_values(block: MLPBlock, entry, fallbacks) -> bool:
 def previous_input(block: MLPBlock, ordered_blocks) -> fx.Node:
     """The input of the block that runs before ``block`` (its lookahead source)."""
     position = ordered_blocks.index(block)
-    own = block.nodes["input"]
+    own = block.nodes.input
     for earlier in reversed(ordered_blocks[:position]):
-        if earlier.nodes["input"] is not own:
-            return earlier.nodes["input"]
+        if earlier.nodes.input is not own:
+            return earlier.nodes.input
     return own
 
 
@@ -46,7 +46,7 @@ def insert_selection(gm, graph, block, entry, ordered, values, opts=None):
     model the predictor's input is cast to fp32 first).
 
     Returns (flat (tokens, k) neuron or head ids, the node the predictor reads)."""
-    x = block.nodes["input"]
+    x = block.nodes.input
     weight_node = block.up.node if isinstance(block, MLPBlock) else block.o.node
     weight_value = values.get(weight_node)
     dtype = weight_value.dtype if weight_value is not None else torch.float32
@@ -57,12 +57,12 @@ def insert_selection(gm, graph, block, entry, ordered, values, opts=None):
     # quantized predictors compute in fp32 in a model of any dtype, so their fused op applies to all
     lowering = (choose_lowering(opts, weight_value, dtype=torch.float32 if kind.quantized else None)
                 if opts is not None else None)
-    fused = kind.int8_rows and lowering is not None and lowering.emit_int8_topk is not None
+    fused = kind.int8_rows and lowering is not None and lowering.fills("int8_topk")
     with graph.inserting_before(source.next):
         flat_source = graph.call_method("reshape", (source, -1, shape_of(source)[-1]))
         if fused:
             x_fp32, _ = predictor_input(graph, entry, flat_source, dtype)
-            scores = idx = lowering.emit_int8_topk(gm, graph, entry, x_fp32, prefix, device)
+            scores = idx = lowering.use(gm, "int8_topk")(gm, graph, entry, x_fp32, prefix, device)
         else:
             scores = emit_scores(gm, graph, entry, flat_source, prefix, dtype, device)
             top = graph.call_function(torch.topk, (scores, entry.k), {"dim": -1, "sorted": False})

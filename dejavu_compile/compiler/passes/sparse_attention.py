@@ -52,7 +52,7 @@ def dense_reason(block: AttentionBlock) -> str | None:
     if block.attention != "sdpa":
         return (f"head-sparse attention needs scaled_dot_product_attention (this block runs {block.attention} "
                 "attention): dense")
-    args = _core_args(block.nodes["core"])
+    args = _core_args(block.nodes.core)
     key_heads, H = shape_of(args["key"])[1], block.num_heads
     if key_heads not in (H, block.num_kv_heads) or H % key_heads:
         return f"attention reads {key_heads} key heads for {H} query heads: dense"
@@ -66,7 +66,7 @@ def dense_reason(block: AttentionBlock) -> str | None:
 def dense_query_reason(block: AttentionBlock) -> str | None:
     """None when the query projection's output feeds only the attention's query (so only the selected
     heads' rows need computing), else why the lowering keeps the query projection dense."""
-    q = _core_args(block.nodes["core"])["query"]
+    q = _core_args(block.nodes.core)["query"]
     if block.q.rows is not None:
         return "query projection fused with key/value"
     if block.qk_norm == "across_heads":
@@ -77,7 +77,7 @@ def dense_query_reason(block: AttentionBlock) -> str | None:
             if a not in ancestors:
                 ancestors.add(a)
                 stack.append(a)
-    stack = [block.nodes["q_out"]]
+    stack = [block.nodes.q_out]
     while stack:
         node = stack.pop()
         for user in node.users if node is not q else ():
@@ -89,10 +89,10 @@ def dense_query_reason(block: AttentionBlock) -> str | None:
 
 def _rewrite_query(gm, graph, block: AttentionBlock, idx, k, values) -> None:
     """q projection of the selected heads' rows, scattered into a zero tensor of the full width."""
-    q_out, q_call, x = block.nodes["q_out"], block.nodes["q"], block.nodes["q_x"]
+    q_out, q_call, x = block.nodes.q_out, block.nodes.q, block.nodes.q_x
     weight = values.get(block.q.node)
     width = shape_of(q_out)[-1]
-    table = block.nodes["head_rows"]["q"].to(device=value_device(values, block.q.node))
+    table = block.nodes.head_rows["q"].to(device=value_device(values, block.q.node))
     rows_of_head = add_constant(gm, graph, f"dejavu_L{block.layer}_attention_q_rows", table)  # (H, D)
     with graph.inserting_before(q_call):
         x2d = graph.call_method("reshape", (x, -1, shape_of(x)[-1]))
@@ -127,14 +127,14 @@ def rewrite_attention(gm, graph, block: AttentionBlock, entry, ordered, values, 
     _project_selected_heads(gm, graph, block, heads, attn, entry.k, values, report)
     _erase_dense_attention(graph, block, where)
     report.rewritten.append(f"{where}: {entry.k}/{block.num_heads} heads"
-                            f"{' (lookahead)' if source is not block.nodes['input'] else ''}")
+                            f"{' (lookahead)' if source is not block.nodes.input else ''}")
     return True
 
 
 def _attend_selected_heads(graph, block: AttentionBlock, idx, k) -> tuple[fx.Node, fx.Node]:
     """SDPA over the selected query heads and the KV heads they read (MHA, GQA, MQA).
     Returns (head ids (B, k, 1, 1), attention output (B, k, 1, D))."""
-    core = block.nodes["core"]
+    core = block.nodes.core
     args = _core_args(core)
     H = block.num_heads
     key_heads = shape_of(args["key"])[1]
@@ -160,7 +160,7 @@ def _project_selected_heads(gm, graph, block: AttentionBlock, heads, attn, k, va
     """The output projection over the selected heads' rows of its transposed weight, in place of the
     block's output (reshaped to the block input's leading dims)."""
     D = block.head_dim
-    o_call, o_out = block.nodes["o"], block.nodes["output"]
+    o_call, o_out = block.nodes.o, block.nodes.output
     with graph.inserting_before(o_call):
         w_o_t = transposed_weight(gm, graph, block.o, values.get(block.o.node),
                                    f"dejavu_L{block.layer}_attention_w_o_t", report,
@@ -171,7 +171,7 @@ def _project_selected_heads(gm, graph, block: AttentionBlock, heads, attn, k, va
         weights = graph.call_method("reshape", (attn, -1, k * D))
         out = emit_weighted_row_sum(graph, rows, weights, k * D, w_o_t, block.o.bias_node)
         # Leading dims of the block's input (not of the old attention output, which must die with it).
-        input_size = graph.call_method("size", (block.nodes["input"],))
+        input_size = graph.call_method("size", (block.nodes.input,))
         lead = graph.call_function(operator.getitem, (input_size, slice(None, -1)))
         out_shape = graph.call_function(operator.add, (lead, (emit_size(graph, w_o_t, 1),)))
         shaped = graph.call_method("reshape", (out, out_shape))
@@ -183,15 +183,36 @@ def _project_selected_heads(gm, graph, block: AttentionBlock, heads, attn, k, va
 def _erase_dense_attention(graph, block: AttentionBlock, where: str) -> None:
     """The dense SDPA, output projection and the reshapes between them go; the dense attention must
     not survive (it would run beside the sparse one)."""
-    core, o_call, o_out = block.nodes["core"], block.nodes["o"], block.nodes["output"]
+    core, o_call, o_out = block.nodes.core, block.nodes.o, block.nodes.output
     region = [o_out, o_call] + [n for n in o_call.all_input_nodes if n.op != "placeholder"]  # addmm's flattening view
-    node = block.nodes["o_input"]
+    node = block.nodes.o_input
     while node is not core:  # the reshapes between attention output and output projection
         region.append(node)
         node = node.args[0]
     erase_unused(graph, region + [core])
     if not getattr(core, "_erased", False):
         raise RuntimeError(f"{where}: the dense attention output has users outside its output projection")
+
+
+def simulate_attention(gm, graph, block: AttentionBlock, entry, ordered, values, report) -> None:
+    """Masked simulation: the unselected heads' attention outputs are zeroed before the output
+    projection (exact per token, any number of tokens; reads every weight)."""
+    idx, _ = insert_selection(gm, graph, block, entry, ordered, values)
+    core = block.nodes.core  # (B, H, T, D), or (B * H, T, D) with the heads folded into the batch axis
+    folded = len(shape_of(core)) == 3
+    users = list(core.users)
+    with graph.inserting_before(core.next):
+        scores = idx.args[0].args[0]  # idx = topk(scores, k)[1]
+        mask = graph.call_function(torch.scatter, (graph.call_function(torch.zeros_like, (scores,)), -1, idx, 1.0))
+        tokens = emit_size(graph, core, 1 if folded else 2)
+        mask = graph.call_method("reshape", (mask, -1, tokens, block.num_heads))  # (B, T, H)
+        mask = graph.call_method("unsqueeze", (graph.call_method("permute", (mask, 0, 2, 1)), -1))  # (B, H, T, 1)
+        if folded:
+            mask = graph.call_method("flatten", (mask, 0, 1))  # (B * H, T, 1), BLOOM's order
+        masked = graph.call_function(operator.mul, (core, graph.call_method("type_as", (mask, core))))
+    core.replace_all_uses_with(masked, delete_user_cb=lambda user: user in users)
+    report.rewritten.append(f"layer {block.layer} attention: masked simulation, {entry.k}/{entry.total} heads")
+
 
 
 class SparseAttentionPass:

@@ -42,31 +42,31 @@ log = logging.getLogger("dejavu_compile")
 
 def _mlp_region_nodes(block: MLPBlock) -> list[fx.Node]:
     """Every node the dense block computed: projections, their views, the activation region."""
-    out = [block.nodes["output"], block.nodes["down"], block.nodes["up"], block.nodes.get("gate")]
-    stack = [block.nodes["hidden"]]
+    out = [block.nodes.output, block.nodes.down, block.nodes.up, block.nodes.gate]
+    stack = [block.nodes.hidden]
     seen = set()
     while stack:  # everything between the projections' outputs and the down projection's call
         node = stack.pop()
-        if node in seen or node is block.nodes["input"]:
+        if node in seen or node is block.nodes.input:
             continue
         seen.add(node)
         out.append(node)
-        if node in (block.nodes["up"], block.nodes.get("gate")):
+        if node in (block.nodes.up, block.nodes.gate):
             continue
         stack.extend(node.all_input_nodes)
-    down = block.nodes["down"]
+    down = block.nodes.down
     out.extend(n for n in down.all_input_nodes if n.op != "placeholder")
     return [n for n in out if n is not None and n.op != "placeholder"]
 
 
 def rewrite_mlp(gm, graph, block: MLPBlock, entry, ordered, values, report, opts) -> None:
-    x = block.nodes["input"]
+    x = block.nodes.input
     prefix = f"dejavu_L{block.layer}_mlp"
     idx, source = insert_selection(gm, graph, block, entry, ordered, values, opts)
 
     # 2. The sparse op in place of the block.
     down_value = values.get(block.down.node)
-    with graph.inserting_before(block.nodes["down"]):
+    with graph.inserting_before(block.nodes.down):
         x2d = graph.call_method("reshape", (x, -1, shape_of(x)[-1]))
         w_down_t = transposed_weight(gm, graph, block.down, down_value, f"{prefix}_w_down_t", report,
                                       f"layer {block.layer} mlp: down")
@@ -78,8 +78,9 @@ def rewrite_mlp(gm, graph, block: MLPBlock, entry, ordered, values, report, opts
         refs = (block.gate, block.up) if block.gated else (block.up,)
         lowering = choose_lowering(opts, values.get(block.up.node),
                                    all(unit_stride_rows(ref, values.get(ref.node)) for ref in refs))
-        out = lowering.emit_mlp(graph, SparseMLPNodes(block, x2d, idx, entry.k, w_gate, b_gate, w_up, b_up, w_down_t,
-                                                      b_down, value_device(values, block.up.node)))
+        nodes = SparseMLPNodes(block, x2d, idx, entry.k, w_gate, b_gate, w_up, b_up, w_down_t, b_down,
+                               value_device(values, block.up.node))
+        out = lowering.use(gm, "mlp")(graph, nodes)
         out.meta["dejavu"] = {"role": "sparse_mlp", "layer": block.layer, "k": entry.k}
     _replace_block(graph, block, out)
     report.rewritten.append(f"layer {block.layer} mlp: {entry.k}/{entry.total} neurons"
@@ -89,13 +90,13 @@ def rewrite_mlp(gm, graph, block: MLPBlock, entry, ordered, values, report, opts
 def _replace_block(graph, block: MLPBlock, out: fx.Node) -> None:
     """The block's output becomes `out` ((tokens, d), reshaped to the input's leading dims); the
     dense block's nodes go."""
-    x = block.nodes["input"]
+    x = block.nodes.input
     with graph.inserting_before(out.next):
         size = graph.call_method("size", (x,))
         lead = graph.call_function(operator.getitem, (size, slice(None, -1)))
         shape = graph.call_function(operator.add, (lead, (block.hidden_size,)))
         shaped = graph.call_method("reshape", (out, shape))
-    block.nodes["output"].replace_all_uses_with(shaped)
+    block.nodes.output.replace_all_uses_with(shaped)
     erase_unused(graph, _mlp_region_nodes(block))
 
 
@@ -107,15 +108,15 @@ def rewrite_mlp_from_predictor(gm, graph, block: MLPBlock, entry, values, report
     of the down rows where ``plan.down_rows`` asks for one; elsewhere aten ops (int8_linear, topk,
     gather, embedding_bag over the model's down rows; the predictor in fp32, its kept values cast to
     the model's dtype)."""
-    x = block.nodes["input"]
+    x = block.nodes.input
     prefix = f"dejavu_L{block.layer}_mlp"
     down_value = values.get(block.down.node)
     device = value_device(values, block.down.node)
-    with graph.inserting_before(block.nodes["down"]):
+    with graph.inserting_before(block.nodes.down):
         x2d = graph.call_method("reshape", (x, -1, shape_of(x)[-1]))
         b_down = block.down.bias_node
         lowering = choose_lowering(opts, down_value)
-        fused = lowering.emit_int8_values_mlp is not None  # one op: the C++ op on CPU
+        fused = lowering.fills("int8_values_mlp")  # one op: the C++ op on CPU
         from_copy = fused and reads_down_copy(opts["plan"], down_value)
         if from_copy:  # the plan's bf16 copy of the down rows
             w_down_t = add_constant(gm, graph, f"{prefix}_down_{opts['plan'].down_rows}",
@@ -124,7 +125,8 @@ def rewrite_mlp_from_predictor(gm, graph, block: MLPBlock, entry, values, report
             w_down_t = transposed_weight(gm, graph, block.down, down_value, f"{prefix}_w_down_t", report,
                                          f"layer {block.layer} mlp: down")
         if fused:
-            out, both = lowering.emit_int8_values_mlp(gm, graph, block, entry, x2d, w_down_t, b_down, prefix, device)
+            out, both = lowering.use(gm, "int8_values_mlp")(gm, graph, block, entry, x2d, w_down_t, b_down,
+                                                              prefix, device)
             both.meta["dejavu"] = {"role": "predictor", "layer": block.layer, "kind": "mlp", "reads": x.name,
                                    "lookahead": False}
         else:
@@ -163,6 +165,54 @@ def rounded_down_weight(ref, value: torch.Tensor) -> torch.Tensor:
     masked simulation's weight for entries that read the copy)."""
     rows = down_rows_copy(down_rows(ref, value)).to(value.dtype)
     return rows.t() if ref.layout == "out_in" else rows
+
+
+def simulate_mlp(gm, graph, block: MLPBlock, entry, plan, ordered, values, report, fallbacks, opts) -> None:
+    """The masked simulation of ``rewrite_mlp`` / ``rewrite_mlp_from_predictor``: the same predictor
+    and top-k, the kept neurons as a 0/1 mask on the dense hidden activations (or on the int8
+    predictor's values, with the plan's rounded down rows where the op reads that copy). Exact per
+    token, any number of tokens; reads every weight."""
+    hidden = block.nodes.hidden
+    from_predictor = takes_predictor_values(block, entry, fallbacks)
+    if from_predictor:  # the predictor's own values, masked: what cpu_glu_int8_mlp sums
+        x = block.nodes.input
+        with graph.inserting_before(hidden.next):
+            x2d = graph.call_method("reshape", (x, -1, shape_of(x)[-1]))
+            estimate, idx = emit_int8_selection(gm, graph, block, entry, x2d, f"dejavu_L{block.layer}_mlp",
+                                                 value_device(values, block.up.node))
+    else:
+        idx, _ = insert_selection(gm, graph, block, entry, ordered, values, opts)
+    with graph.inserting_before(idx.next if from_predictor else hidden.next):  # after idx and hidden
+        flat = graph.call_method("reshape", (hidden, -1, block.intermediate_size))
+        kept = graph.call_method("type_as", (estimate, flat)) if from_predictor else flat
+        zeros = graph.call_function(torch.zeros_like, (flat,))
+        ones = graph.call_function(torch.ones_like, (idx,), {"dtype": _dtype_of(values, block)})
+        mask = graph.call_function(torch.scatter, (zeros, -1, idx, ones))
+        masked_flat = graph.call_function(operator.mul, (kept, mask))
+        masked = graph.call_method("view_as", (masked_flat, hidden))
+    hidden.replace_all_uses_with(masked, delete_user_cb=lambda user, ours=(flat, masked): user not in ours)
+    copy_note = _round_down_rows(gm, graph, block, plan, values) if from_predictor else ""
+    report.rewritten.append(f"layer {block.layer} mlp: masked simulation, {entry.k}/{entry.total} neurons"
+                            f"{', values from the int8 predictor' if from_predictor else ''}{copy_note}")
+
+
+def _round_down_rows(gm, graph, block: MLPBlock, plan, values) -> str:
+    """The plan's bf16 copy of the down rows, as the dense down projection's weight: what the decode
+    op reads (CPU fp32 models, where the C++ op runs)."""
+    weight = values.get(block.down.node)
+    if not reads_down_copy(plan, weight):
+        return ""
+    rounded = add_constant(gm, graph, f"dejavu_L{block.layer}_down_{plan.down_rows}",
+                           rounded_down_weight(block.down, weight))
+    down = block.nodes.down
+    for node in (down, *down.all_input_nodes):
+        node.replace_input_with(block.down.node, rounded)
+    return f", {plan.down_rows} down rows"
+
+
+def _dtype_of(values, block: MLPBlock):
+    weight = values.get(block.up.node)
+    return weight.dtype if weight is not None else torch.float32
 
 
 class SparseMLPPass:

@@ -429,7 +429,7 @@ void dejavu_int8_linear_f32(const float *x, int64_t nb, int64_t d, const int8_t 
         for (int64_t b = 0; b < nb; b++) out[b * n_rows + r] = dequantize(scale[r], inv[b], dot_i8(w + r * d, xq + b * d, d));
 }
 
-/* The int8 predictor's scores (plan entries "glu_int8"): for each neuron j < n_neurons,
+/* The int8 predictor's scores: for each neuron j < n_neurons,
    scores[b, j] = |act(g) * u|, g = a[j] * (w[j].x_b), u = a[F + j] * (w[F + j].x_b), F = n_neurons:
    what dejavu_int8_linear_f32 followed by the activation computes, and computed that way: the
    weights are cold on each call, and a thread reading one contiguous share of all 2F rows (gate

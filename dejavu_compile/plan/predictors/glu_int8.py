@@ -14,6 +14,7 @@ import torch
 
 from dejavu_compile import activations
 from dejavu_compile.kernels import int8_linear
+from dejavu_compile.kernels.int8 import quantize_rows_int8
 from dejavu_compile.plan.predictors.registry import FitInputs, PredictorKind, register
 
 
@@ -29,13 +30,6 @@ def glu_int8_scores(x: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor,
                     activation: str = "silu") -> torch.Tensor:
     """(B, d) -> (B, F) scores |act(g~) * u~|; the graph node the compiler inserts."""
     return torch.abs(glu_int8_values(x, rows, scales, activation))
-
-
-def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n, d) float rows -> ((n, d) int8, (n,) fp32 scales): symmetric, one scale per row."""
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
 def int8_glu_predictor(gate_weight: torch.Tensor, up_weight: torch.Tensor) -> dict[str, torch.Tensor]:

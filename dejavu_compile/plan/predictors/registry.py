@@ -59,6 +59,10 @@ class PredictorKind:
     def fit(self, data: FitInputs) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def fit_heads(self, x: torch.Tensor, importance: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
+        """The head predictor (``for_heads`` kinds): from inputs (N, d) and per-head importance (N, H)."""
+        raise NotImplementedError(f"predictor {self.name!r} is not fitted to attention heads")
+
     def validate(self, tensors: dict[str, torch.Tensor], total: int) -> None:
         """Raise ValueError saying what is wrong with the tensors of an entry of `total` outputs."""
         raise NotImplementedError

@@ -52,6 +52,11 @@ class TwoLayer(PredictorKind):
         return train_predictor(data.x, data.importance, data.k, rank=data.rank, relu=self.relu, loss="bce",
                                steps=data.steps, seed=data.seed).tensors()
 
+    def fit_heads(self, x, importance, seed):
+        """A listwise loss (one predictor serves every k of heads)."""
+        return train_predictor(x, importance, max(1, importance.shape[1] // 2), rank=min(64, x.shape[1]),
+                               relu=self.relu, loss="soft", steps=150, batch_size=2048, seed=seed).tensors()
+
     def validate(self, tensors, total):
         A, B = tensors.get("in_proj"), tensors.get("out_proj")
         a, b = tensors.get("in_bias"), tensors.get("out_bias")
