@@ -93,7 +93,7 @@ def run_smollm2(args, report):
     dense_ppl, dense_news = perplexity(model, chunks), perplexity(model, news)
     plans = {f"dejavu {p} {d:.2f}{_heads(args.attn_density)}": build(d)
              for p, build in builders.items() for d in args.densities}
-    variants = [Variant("HF eager", lambda f: f), Variant("Inductor dense", compiled_forward("inductor"))]
+    variants = [Variant("HF eager"), Variant("Inductor dense", compiled_forward("inductor"))]
     lowering_of = {}
     for lowering in args.cpu_lowering:  # CPU sparse-MLP lowerings side by side (op: the C kernel)
         for name, plan in plans.items():
@@ -177,7 +177,7 @@ def run_synthetic(args, report):
                                     options={"plan": plans[name], "cpu_lowering": lowering})
         return Variant(name if lowering == "auto" else f"{name} [{lowering}]", compiled_forward(backend))
 
-    variants = [Variant("HF eager", lambda f: f), Variant("Inductor dense", compiled_forward("inductor", **kwargs))]
+    variants = [Variant("HF eager"), Variant("Inductor dense", compiled_forward("inductor", **kwargs))]
     variants += [dejavu(name, lowering) for lowering in args.cpu_lowering for name in plans]
     speed = measure_decode(model, ids, variants, new_tokens=args.new_tokens // 2, repeats=args.repeats)
     base = speed["Inductor dense"]["tokens_per_s"]

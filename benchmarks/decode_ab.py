@@ -5,7 +5,8 @@
 
 Each round starts one process per tree (alternating which goes first), each loading SmolLM2-135M,
 the same plan directory (calibrated once with the first tree's defaults, unless --plan names one),
-and measuring Inductor dense and dejavu decode interleaved (static cache, greedy, medians). Only
+and measuring Inductor dense and dejavu decode interleaved with the tree's own
+``evaluation.bench.measure_decode`` (static cache, greedy, medians). Only
 the public API is used (``dejavu_compile.calibrate``, ``SparsityPlan``, ``prepare_model``), so any
 two versions compare. Reported: tokens/s per tree and the dejavu/dense ratio, which cancels most
 of the machine's drift between processes. Then one process per tree measures held-out perplexity (dense
@@ -21,7 +22,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -64,34 +64,15 @@ def worker(args) -> None:
     plan.check(model)
     dv.prepare_model(model)
     ids = tok(PROMPT, return_tensors="pt").input_ids
-    original = model.forward
-    forwards = {"dense": torch.compile(original, backend="inductor"),  # the tree's own backend object, not the
-                "dejavu": torch.compile(original, backend=dv.dejavu_backend, options={"plan": plan})}  # entry point
+    from dejavu_compile.evaluation.bench import Variant, measure_decode  # the tree's own harness
 
-    def generate(n):
-        with torch.no_grad():
-            return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                  cache_implementation="static", pad_token_id=model.config.eos_token_id)
-
-    times = {name: {1: [], args.new_tokens: []} for name in forwards}
-    outputs = {}
-    for rep in range(args.repeats + 1):  # rep 0 compiles
-        for name, forward in forwards.items():
-            model.forward = forward
-            for n in (1, args.new_tokens):
-                start = time.perf_counter()
-                out = generate(n)
-                if rep:
-                    times[name][n].append(time.perf_counter() - start)
-                elif n == args.new_tokens:
-                    outputs[name] = out[0, ids.shape[1]:].tolist()
-    model.forward = original
-    result = {}
-    for name, t in times.items():
-        rates = [(args.new_tokens - 1) / (tn - t1) for t1, tn in zip(t[1], t[args.new_tokens])]
-        result[name] = statistics.median(rates)
+    variants = [Variant("dense", lambda f: torch.compile(f, backend="inductor")),
+                # the tree's own backend object, not the installed entry point
+                Variant("dejavu", lambda f: torch.compile(f, backend=dv.dejavu_backend, options={"plan": plan}))]
+    speed = measure_decode(model, ids, variants, new_tokens=args.new_tokens, repeats=args.repeats, progress=False)
+    result = {name: row["tokens_per_s"] for name, row in speed.items()}
     result["ratio"] = result["dejavu"] / result["dense"]
-    result["tokens"] = outputs["dejavu"]
+    result["tokens"] = variants[1].outputs[0, ids.shape[1]:].tolist()
     print("RESULT " + json.dumps(result))
 
 

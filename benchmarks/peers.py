@@ -20,13 +20,12 @@ Variants (the model in --dtype, fp32 by default; batch 1, greedy, static cache, 
   --weights int8).
 
 Speed: decode tokens/s, ``(n - 1) / (t(n tokens) - t(1 token))``, every variant once per round,
-rounds interleaved, medians. Every compiled variant is checked to have compiled its graphs in the
-warm-up, and the timed rounds run with Dynamo's ``error_on_recompile`` (a variant that fell back to
-eager, or recompiles, fails the run). Quality: held-out perplexity on the bundled Wikipedia
-evaluation split and news texts, dense and under the default plan (the backend's masked
-simulation), against the fp32 dense model where the variants run another format, and llama.cpp's
-own perplexity of each of its formats on the same token ids; dejavu exact computes the dense
-model. The greedy tokens of each variant are compared with HF eager's.
+rounds interleaved, medians, through ``evaluation.bench.measure_decode`` (a compiled variant that
+compiled nothing in the warm-up, or recompiles in a timed round, fails the run). Quality: held-out
+perplexity on the bundled Wikipedia evaluation split and news texts, dense and under the default
+plan (the backend's masked simulation), against the fp32 dense model where the variants run
+another format, and llama.cpp's own perplexity of each of its formats on the same token ids; dejavu
+exact computes the dense model. The greedy tokens of each variant are compared with HF eager's.
 """
 from __future__ import annotations
 
@@ -35,47 +34,28 @@ import copy
 import json
 import os
 import pathlib
-import statistics
 import sys
-import time
 
 import torch
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
-class CountingBackend:
-    """A backend that counts the graphs it compiles (a variant past Dynamo's recompile limit would
-    silently run eager: zero graphs)."""
+def torch_variants(plan=None) -> list:
+    """The torch variants, each a ``measure_decode`` Variant; the dejavu ones also through
+    ``greedy_decode`` (the same compiled forward), with and without Dynamo's guards."""
+    from dejavu_compile.evaluation.bench import Variant, compiled_forward
 
-    def __init__(self, name, compile_graph):
-        self.name, self.compile_graph, self.graphs = name, compile_graph, 0
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-        return self.compile_graph(gm, example_inputs)
-
-
-def torch_variants(plan=None):
-    from torch._inductor.compile_fx import compile_fx
-
-    from dejavu_compile.compiler.backend import dejavu_backend
-
-    def inductor(patches=None):
-        return lambda gm, ex: compile_fx(gm, ex, config_patches=patches)
-
-    def dejavu(options):
-        return lambda gm, ex: dejavu_backend(gm, ex, options=options)
-
-    variants = {
-        "HF eager": None,
-        "Inductor dense": CountingBackend("Inductor dense", inductor()),
-        "Inductor freezing+cpp_wrapper": CountingBackend("Inductor freezing+cpp_wrapper",
-                                                         inductor({"freezing": True, "cpp_wrapper": True})),
-        "dejavu exact": CountingBackend("dejavu exact", dejavu({})),
-    }
+    dejavu = {"dejavu exact": compiled_forward("dejavu")}
     if plan is not None:
-        variants["dejavu default plan"] = CountingBackend("dejavu default plan", dejavu({"plan": plan}))
+        dejavu["dejavu default plan"] = compiled_forward("dejavu", options={"plan": plan})
+    variants = [Variant("HF eager"), Variant("Inductor dense", compiled_forward("inductor")),
+                Variant("Inductor freezing+cpp_wrapper",
+                        compiled_forward("inductor", options={"freezing": True, "cpp_wrapper": True})),
+                *(Variant(name, wrap) for name, wrap in dejavu.items())]
+    for loop, label in (("greedy_decode", "greedy_decode"),
+                        ("greedy_decode_unguarded", "greedy_decode, guards skipped")):
+        variants += [Variant(f"{name}, {label}", wrap, loop=loop) for name, wrap in dejavu.items()]
     return variants
 
 
@@ -115,15 +95,15 @@ def llama_cpp_models(threads: int, formats=("F32", "Q8_0")) -> dict:
     return models
 
 
-def llama_cpp_run(llm, prompt: str, n: int):
+def llama_cpp_run(llm, prompt: str, n: int) -> str:
+    """n greedy tokens from llama.cpp after ``prompt``, as text."""
     tokens = llm.tokenize(prompt.encode(), add_bos=False)
     out = []
-    start = time.perf_counter()
     for token in llm.generate(tokens, top_k=1, temp=0.0, reset=True):
         out.append(token)
         if len(out) == n:
             break
-    return time.perf_counter() - start, llm.detokenize(out).decode(errors="replace")
+    return llm.detokenize(out).decode(errors="replace")
 
 
 def llama_cpp_perplexity(llm, chunks, threads: int) -> float:
@@ -169,12 +149,11 @@ def main(argv=None) -> int:
                                       args.dtype != "float32" and LLAMA_CPP_FORMAT[args.dtype].lower()) if p)
         args.out = str(RESULTS / (f"peers-{suffix}.json" if suffix else "peers.json"))
     torch.set_num_threads(args.threads)
-    from tqdm.auto import tqdm
 
     from dejavu_compile.assets.models import load_smollm2
     from dejavu_compile.cli import BUNDLED, DEMO_PROMPT, _default_plan_dir, load_or_calibrate, machine
     from dejavu_compile.compiler.prepare import prepare_model
-    from dejavu_compile.evaluation.bench import cpu_info
+    from dejavu_compile.evaluation.bench import Variant, cpu_info, measure_decode
     from dejavu_compile.kernels.cpu import native
 
     cpu = cpu_info()
@@ -198,59 +177,15 @@ def main(argv=None) -> int:
     info["resident_weight_bytes"] = sum(t.untyped_storage().nbytes() for t in {
         t.untyped_storage().data_ptr(): t for t in [*model.parameters(), *model.buffers()]}.values())
     ids = tok(DEMO_PROMPT, return_tensors="pt").input_ids
-    backends = torch_variants(plan)
-    original = model.forward
-    forwards = {name: original if b is None else torch.compile(original, backend=b) for name, b in backends.items()}
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, 8 * len(forwards))
-    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 64 * len(forwards))
     llamas = {} if args.no_llama_cpp else llama_cpp_models(args.threads, tuple(dict.fromkeys((reference, "Q8_0"))))
-
-    from dejavu_compile.evaluation.decode import greedy_decode
-
-    lean = {f"{name}, greedy_decode": name for name in forwards if name.startswith("dejavu")}
-    unguarded = {f"{name}, greedy_decode, guards skipped": name for name in forwards if name.startswith("dejavu")}
-    lean.update(unguarded)
-
-    def run_torch(name, n):
-        model.forward = forwards[lean.get(name, name)]
-        try:
-            start = time.perf_counter()
-            if name in lean:
-                out = greedy_decode(model, ids, n, skip_guards=name in unguarded)
-            else:
-                with torch.no_grad():
-                    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                         cache_implementation="static", pad_token_id=model.config.eos_token_id)
-            return time.perf_counter() - start, tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-        finally:
-            model.forward = original
-
-    names = [*forwards, *lean, *llamas]
-    times = {name: {1: [], args.new_tokens: []} for name in names}
-    texts = {}
-    rounds = [(r, name, n) for r in range(args.repeats + 1) for name in names for n in (1, args.new_tokens)]
-    for rep, name, n in tqdm(rounds, desc="decode rounds", unit="run"):
-        if rep == 1 and name == names[0] and n == 1:  # warm-up over: every compiled variant compiled
-            for b in backends.values():
-                if b is not None and b.graphs < 2:
-                    raise RuntimeError(f"{b.name} compiled {b.graphs} graph(s) in the warm-up (prefill and decode "
-                                       "expected): it would run eager")
-            config.error_on_recompile = True
-        time.sleep(0.05)  # let the other runtime's spinning threads park
-        elapsed, text = llama_cpp_run(llamas[name], DEMO_PROMPT, n) if name in llamas else run_torch(name, n)
-        if rep == 0:
-            if n == args.new_tokens:
-                texts[name] = text
-            continue
-        times[name][n].append(elapsed)
-    config.error_on_recompile = False
-
-    speed = {}
-    for name in names:
-        rates = [(args.new_tokens - 1) / (tn - t1) for t1, tn in zip(times[name][1], times[name][args.new_tokens])]
-        speed[name] = {"tokens_per_s": statistics.median(rates), "runs": rates,
-                       "same_tokens_as_hf_eager": texts[name] == texts["HF eager"]}
+    variants = torch_variants(plan) + [Variant(name, run=lambda n, llm=llm: llama_cpp_run(llm, DEMO_PROMPT, n))
+                                       for name, llm in llamas.items()]
+    # the pause lets the other runtime's spinning threads park
+    speed = measure_decode(model, ids, variants, new_tokens=args.new_tokens, repeats=args.repeats, pause_s=0.05)
+    texts = {v.name: v.outputs if isinstance(v.outputs, str)
+             else tok.decode(v.outputs[0, ids.shape[1]:], skip_special_tokens=True) for v in variants}
+    for name, row in speed.items():
+        row["same_tokens_as_hf_eager"] = texts[name] == texts["HF eager"]
     base_name = f"llama.cpp {reference}" if f"llama.cpp {reference}" in speed else "Inductor dense"
     ratio_key = "vs_" + base_name.replace("llama.cpp ", "llama_cpp_").replace(" ", "_").lower()
     base = speed[base_name]["tokens_per_s"]
@@ -279,7 +214,7 @@ def main(argv=None) -> int:
                 q[f"{name} vs fp32"] = q[name] / q.get("fp32_dense", dense) - 1
     result = {"machine": info, "plan": str(plan_dir) if plan is not None else None,
               "mlp_density": plan.mlp_density if plan is not None else None,
-              "compiled_graphs": {b.name: b.graphs for b in backends.values() if b is not None},
+              "compiled_graphs": {v.name: speed[v.name]["graphs"] for v in variants if v.compiled},
               "speed": speed, "perplexity": quality, "outputs": texts}
     print(f"\n{'variant':<44}{'tokens/s':>10}{'ratio':>8}  same tokens as HF eager")
     for name, row in speed.items():

@@ -3,12 +3,12 @@
 graphs, and the plan with its projections left to Inductor).
 
     python benchmarks/profile_decode.py                 # the split below, per variant
-    python benchmarks/profile_decode.py --layout        # does prepare_model slow dense?
     python benchmarks/profile_decode.py --dtype bfloat16 # a bf16 model (Inductor dense, exact, default plan)
     python benchmarks/profile_decode.py --weights int8   # quantize_weights(model, "int8") (dense, exact)
 
 For each variant (fp32 unless --dtype/--weights, batch 1, static cache, 2 threads unless --threads;
-every variant compiled first, then timed once per round, rounds interleaved, medians): the decode
+through ``evaluation.bench.measure_decode``: every variant compiled first, then timed once per
+round, rounds interleaved, medians): the decode
 step as ``generate()`` runs it, the same compiled forward called in a plain loop over a 128-slot
 static cache (generate() allocates prompt + 33 slots, so the two differ by the loop's own cost and
 by the attention's cache length; ``benchmarks/peers.py`` measures the loop alone with
@@ -19,13 +19,11 @@ wrapper the profiler sees the backend's ops but not the aten ops the wrapper cal
 Inductor's C shim (SDPA, mm): their time counts in the compiled graph's own code. The weight-streaming
 floor is the bytes a step reads over the machine's streaming rate, measured by the backend's GEMV
 over every weight of the model in its format (``cpu_linear``, or ``cpu_q8_linear`` for int8
-weights). ``--layout`` instead decodes with Inductor dense on two copies of the model, as loaded
-and after ``prepare_model`` (down/o projections stored transposed), interleaved.
+weights).
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import time
 
@@ -42,18 +40,9 @@ CATEGORIES = {  # profiler event name -> category; the rest is "other"
 }
 
 
-def _decode_seconds(model, ids, tokens: int) -> float:
-    start = time.perf_counter()
-    with torch.no_grad():
-        model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                       cache_implementation="static")
-    return time.perf_counter() - start
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--layout", action="store_true")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--weights", default="float", choices=["float", "int8"],
@@ -65,29 +54,12 @@ def main(argv=None) -> int:
     from dejavu_compile.cli import BUNDLED, DEMO_PROMPT, _default_plan_dir, load_or_calibrate
     from dejavu_compile.compiler.prepare import prepare_model
     from dejavu_compile.evaluation.bandwidth import bandwidth_bound
-    from dejavu_compile.evaluation.bench import compiled_forward, cpu_info, machine_description
+    from dejavu_compile.evaluation.bench import Variant, compiled_forward, cpu_info, machine_description, measure_decode
 
     model, tok = load_smollm2()
     model.eval()
     ids = tok(DEMO_PROMPT, return_tensors="pt").input_ids
     print("machine: {}; {cpu}, {isa}".format(machine_description(), **cpu_info()))
-    if args.layout:
-        prepared = copy.deepcopy(model)
-        prepare_model(prepared)
-        models = {"as loaded": model, "prepare_model": prepared}
-        for m in models.values():
-            m.forward = compiled_forward("inductor")(m.forward)
-            for tokens in (33, 1):
-                _decode_seconds(m, ids, tokens)
-        rates = {name: [] for name in models}
-        for _ in range(args.repeats):
-            for name, m in models.items():
-                rates[name].append(32 / (_decode_seconds(m, ids, 33) - _decode_seconds(m, ids, 1)))
-        for name, r in rates.items():
-            print(f"Inductor dense, weights {name:14s}: median {sorted(r)[len(r) // 2]:.2f} tokens/s  "
-                  f"({', '.join(f'{x:.1f}' for x in r)})")
-        return 0
-
     plan = load_or_calibrate(model, tok, _default_plan_dir(model, BUNDLED))
     model.to(getattr(torch, args.dtype))  # the plan was calibrated on the fp32 weights this rounds
     prepare_model(model)
@@ -118,25 +90,17 @@ def main(argv=None) -> int:
     if args.dtype != "float32" or args.weights != "float":  # the fp32 profile answers the wrapper questions
         keep = ("Inductor dense", "dejavu exact") + (("dejavu default plan",) if plan is not None else ())
         variants = {name: variants[name] for name in keep}
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, 8 * len(variants))
     original = model.forward
-    forwards = {}
-    for name, (wrap, _) in variants.items():
-        model.forward = forwards[name] = wrap(original)
-        for tokens in (33, 1, 33, 1):  # compiles every graph these lengths need
-            _decode_seconds(model, ids, tokens)
-    generate_steps = {name: [] for name in variants}
-    plain_steps = {name: [] for name in variants}
-    for _ in range(args.repeats):  # the variants interleaved, so the machine's drift hits them alike
-        for name in variants:
-            model.forward = forwards[name]
-            generate_steps[name].append((_decode_seconds(model, ids, 33) - _decode_seconds(model, ids, 1)) / 32)
-            plain_steps[name].append(_plain_step(model, ids))
+    forwards = {name: wrap(original) for name, (wrap, _) in variants.items()}
+    timed = []
+    for name, forward in forwards.items():  # each forward under generate(), then in a plain loop
+        timed.append(Variant(name, lambda _, f=forward: f))
+        timed.append(Variant(f"{name}, plain", run=lambda n, f=forward: _plain_steps(model, f, ids, n), compiled=False))
+    speed = measure_decode(model, ids, timed, new_tokens=33, repeats=args.repeats)
     for name, (_, step_bytes) in variants.items():
         model.forward = forwards[name]
         categories = _profile_shares(model, ids)
-        generate_step, plain_step = statistics.median(generate_steps[name]), statistics.median(plain_steps[name])
+        generate_step, plain_step = 1 / speed[name]["tokens_per_s"], 1 / speed[f"{name}, plain"]["tokens_per_s"]
         print(f"\n{name}: {1e3 * generate_step:.1f} ms per token in generate(), {1e3 * plain_step:.1f} ms per plain "
               f"step; weight-streaming floor {1e3 * step_bytes / rate:.1f} ms ({step_bytes / 1e6:.0f} MB)")
         print(f"  generate() loop: {1e3 * (generate_step - plain_step):5.1f} ms")
@@ -203,17 +167,12 @@ def _static_decoder(model, ids):
     return step
 
 
-def _plain_step(model, ids, steps: int = 8) -> float:
-    """Median seconds of one compiled forward in a plain loop (after 3 unmeasured steps)."""
+def _plain_steps(model, forward, ids, n: int) -> None:
+    """The prompt's prefill and n - 1 decode steps of ``forward`` in a plain loop (no generate())."""
+    model.forward = forward
     step = _static_decoder(model, ids)
-    for _ in range(3):
+    for _ in range(n - 1):
         step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _profile_shares(model, ids) -> dict[str, float]:

@@ -253,7 +253,7 @@ def compare(model, tok, plan, prompt: str, new_tokens: int, repeats: int, eval_t
     prepare_model(model)
     ids = tok(prompt, return_tensors="pt").input_ids
     reports = []
-    variants = [Variant("HF eager", lambda f: f), Variant("Inductor dense", compiled_forward("inductor")),
+    variants = [Variant("HF eager"), Variant("Inductor dense", compiled_forward("inductor")),
                 Variant("dejavu exact", compiled_forward("dejavu")),  # no plan: the dense step at the streaming rate
                 Variant("dejavu", compiled_forward("dejavu", options={"plan": plan, "on_report": reports.append}))]
     speed = measure_decode(model, ids, variants, new_tokens=new_tokens, repeats=repeats)

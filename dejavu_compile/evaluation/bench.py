@@ -1,8 +1,16 @@
-"""Decode-speed measurement shared by the demo and ``benchmarks/decode.py``.
+"""The one decode-timing harness: the demo, ``dejavu-compile bench`` and every decode benchmark
+(``benchmarks/decode.py``, ``peers.py``, ``decode_ab.py``, ``profile_decode.py``) time through
+:func:`measure_decode`.
 
-Each variant is a way to run ``model.forward`` (eager, Inductor, dejavu with a plan). Variants are
-measured interleaved in one process on the same prompt; decode speed excludes the prefill: it is
-``(n - 1) / (t(n tokens) - t(1 token))`` with a static cache, medians over repeats.
+Each variant is a way to run the model: ``model.forward`` wrapped (eager, Inductor, dejavu with a
+plan) and driven by ``generate()`` or by ``greedy_decode``, or an outside runtime's own call (a
+peer such as llama.cpp). Variants are measured interleaved in one process on the same prompt, so
+the machine's drift hits them alike: one warm-up round that compiles every graph (untimed, its
+tokens kept), then ``repeats`` timed rounds. Decode speed excludes the prefill: it is
+``(n - 1) / (t(n tokens) - t(1 token))``, medians over rounds. A compiled variant must compile its
+graphs in the warm-up, and the timed rounds run under Dynamo's ``error_on_recompile``, so a variant
+that fell back to eager (past the recompile limit) or recompiles fails the run instead of being
+timed as something it is not.
 """
 from __future__ import annotations
 
@@ -14,14 +22,31 @@ from dataclasses import dataclass, field
 
 import torch
 
+LOOPS = ("generate", "greedy_decode", "greedy_decode_unguarded")
+
 
 @dataclass
 class Variant:
+    """One way to decode. ``wrap`` turns the model's forward into the one to use (variants given the
+    same ``wrap`` object share one compiled forward); ``loop`` drives it (``generate()`` with a
+    static cache, ``greedy_decode``, or ``greedy_decode(skip_guards=True)``). ``run`` instead decodes
+    with an outside runtime: ``run(n)`` returns its n new tokens (ids or text). ``compiled``
+    (default: a ``wrap`` is given) says whether the warm-up must compile graphs."""
+
     name: str
-    wrap: Callable  # original forward -> forward to use (identity for eager)
+    wrap: Callable | None = None
+    loop: str = "generate"
+    run: Callable[[int], object] | None = None
+    compiled: bool | None = None
     forward: Callable | None = None
     times: dict[int, list[float]] = field(default_factory=dict)
-    outputs: torch.Tensor | None = None
+    outputs: torch.Tensor | None = None  # the warm-up's whole sequence (prompt + new tokens), or run's result
+
+    def __post_init__(self):
+        if self.loop not in LOOPS:
+            raise ValueError(f"loop must be one of {LOOPS}, got {self.loop!r}")
+        if self.compiled is None:
+            self.compiled = self.wrap is not None
 
 
 def _generate(model, ids, new_tokens):
@@ -30,43 +55,96 @@ def _generate(model, ids, new_tokens):
                               cache_implementation="static", pad_token_id=model.config.eos_token_id)
 
 
-def measure_decode(model, ids: torch.Tensor, variants: list[Variant], new_tokens: int = 32,
-                   repeats: int = 3, progress: bool = True) -> dict[str, dict]:
-    """Tokens/s per variant. The first run of each variant (compilation) is not timed."""
-    original = model.forward
-    # Every variant compiles the same forward code: without room for all their graphs Dynamo
-    # would hit its recompile limit and silently run later variants eagerly.
+def _decode(model, ids, variant: Variant, n: int):
+    if variant.run is not None:
+        return variant.run(n)
+    if variant.loop == "generate":
+        return _generate(model, ids, n)
+    from dejavu_compile.evaluation.decode import greedy_decode
+
+    return greedy_decode(model, ids, n, skip_guards=variant.loop == "greedy_decode_unguarded")
+
+
+def _compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def raise_recompile_limits(variants: int) -> None:
+    """Room for every variant's graphs: past Dynamo's limits a variant would silently run eager."""
     config = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+    for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(config, name):
-            setattr(config, name, max(getattr(config, name), 8 * len(variants)))
+            setattr(config, name, max(getattr(config, name), 8 * variants))
+    for name in ("accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), 64 * variants))
+
+
+def measure_decode(model, ids: torch.Tensor, variants: list[Variant], new_tokens: int = 32,
+                   repeats: int = 3, progress: bool = True, pause_s: float = 0.0) -> dict[str, dict]:
+    """Tokens/s per variant (see the module docstring). ``pause_s`` before each run lets another
+    runtime's spinning threads park. Returns {name: {"tokens_per_s", "runs", "prefill_s"}}; each
+    variant's ``outputs`` holds its warm-up tokens."""
+    if new_tokens < 2:
+        raise ValueError("decode speed needs new_tokens >= 2 (one new token is the prefill alone)")
+    original = model.forward
+    raise_recompile_limits(len(variants))
+    forwards, first_of_forward = {}, set()
     for v in variants:
-        v.forward = v.wrap(original)
+        if v.run is None:
+            key = id(v.wrap) if v.wrap is not None else None
+            if key not in forwards:
+                forwards[key] = v.wrap(original) if v.wrap is not None else original
+                first_of_forward.add(v.name)
+            v.forward = forwards[key]
+        v.times = {1: [], new_tokens: []}
     rounds = [(r, v, n) for r in range(repeats + 1) for v in variants for n in (1, new_tokens)]
     iterator = rounds
     if progress:
         from tqdm.auto import tqdm
 
         iterator = tqdm(rounds, desc="decode benchmark", unit="run")
+    config = torch._dynamo.config
+    guard, graphs = config.error_on_recompile, {}
     try:
         for rep, variant, n in iterator:
-            model.forward = variant.forward
+            if rep == 1 and variant is variants[0] and n == 1:  # the warm-up is over
+                _check_compiled(variants, graphs, first_of_forward)
+                config.error_on_recompile = True
+            if variant.forward is not None:
+                model.forward = variant.forward
+            if pause_s:
+                time.sleep(pause_s)
+            before = _compiled_graphs()
             start = time.perf_counter()
-            out = _generate(model, ids, n)
+            out = _decode(model, ids, variant, n)
             elapsed = time.perf_counter() - start
+            model.forward = original
             if rep == 0:  # warm-up: compiles every graph this variant needs
+                graphs[variant.name] = graphs.get(variant.name, 0) + _compiled_graphs() - before
                 if n == new_tokens:
                     variant.outputs = out
                 continue
-            variant.times.setdefault(n, []).append(elapsed)
+            variant.times[n].append(elapsed)
     finally:
         model.forward = original
+        config.error_on_recompile = guard
     results = {}
     for v in variants:
         decode = [(new_tokens - 1) / (t_n - t_1) for t_1, t_n in zip(v.times[1], v.times[new_tokens])]
         results[v.name] = {"tokens_per_s": statistics.median(decode), "runs": decode,
-                           "prefill_s": statistics.median(v.times[1])}
+                           "prefill_s": statistics.median(v.times[1]),
+                           "graphs": graphs.get(v.name, 0)}
     return results
+
+
+def _check_compiled(variants, graphs, first_of_forward) -> None:
+    for v in variants:
+        if v.compiled and v.name in first_of_forward and graphs.get(v.name, 0) < 1:
+            raise RuntimeError(f"variant {v.name!r} compiled no graph in the warm-up: it would run eager "
+                               "(Dynamo's recompile limit, or a forward that is not compiled)")
 
 
 def cpu_info() -> dict:

@@ -1,0 +1,56 @@
+"""The decode-timing harness every benchmark uses: variants interleaved, the warm-up's tokens kept,
+shared compiled forwards, outside runtimes, and a compiled variant that compiled nothing refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dejavu_compile.evaluation.bench import Variant, compiled_forward, measure_decode
+from dejavu_compile.evaluation.decode import greedy_decode
+from dejavu_compile.testing.tiny import tiny_model
+from tests.helpers import token_ids
+
+
+@pytest.fixture
+def model():
+    torch._dynamo.reset()
+    m = tiny_model("llama", layers=1)
+    m.generation_config.eos_token_id = None  # every run decodes exactly the tokens asked for
+    return m
+
+
+def test_every_variant_decodes_the_same_tokens_and_shares_what_it_is_given(model):
+    ids = token_ids(tokens=4)
+    with torch.no_grad():
+        want = greedy_decode(model, ids, 5)
+    runs = []
+
+    def outside(n):  # a peer runtime: its own call, its own tokens
+        runs.append(n)
+        return greedy_decode(model, ids, n)[0, ids.shape[1]:].tolist()
+
+    compiled = compiled_forward("eager")
+    variants = [Variant("eager"), Variant("compiled", compiled),
+                Variant("compiled, greedy_decode", compiled, loop="greedy_decode"),
+                Variant("outside", run=outside)]
+    speed = measure_decode(model, ids, variants, new_tokens=5, repeats=2, progress=False)
+    assert list(speed) == [v.name for v in variants]
+    for v in variants[:3]:
+        assert torch.equal(v.outputs, want), v.name
+    assert variants[3].outputs == want[0, ids.shape[1]:].tolist()
+    assert runs == [1, 5] * 3  # the warm-up round, then two timed rounds, interleaved
+    assert all(len(row["runs"]) == 2 and row["tokens_per_s"] > 0 for row in speed.values())
+    assert speed["compiled"]["graphs"] >= 1 and speed["eager"]["graphs"] == 0
+    assert model.forward.__func__ is type(model).forward  # the model's own forward is back
+
+
+def test_a_compiled_variant_that_compiles_nothing_is_refused(model):
+    variants = [Variant("claims to compile", lambda forward: forward)]
+    with pytest.raises(RuntimeError, match="compiled no graph"):
+        measure_decode(model, token_ids(tokens=4), variants, new_tokens=3, repeats=1, progress=False)
+    assert not torch._dynamo.config.error_on_recompile
+
+
+def test_one_new_token_is_refused(model):
+    with pytest.raises(ValueError, match="new_tokens"):
+        measure_decode(model, token_ids(), [Variant("eager")], new_tokens=1)
