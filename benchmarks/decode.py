@@ -24,9 +24,12 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
 def synthetic_plan(model, density: float, rank: int, seed: int = 0, attn_density: float = 1.0):
-    """Random low-rank predictors (speed only: shapes and k matter, not what is selected)."""
+    """Low-rank predictors fitted for one step on random data (speed only: shapes and k matter, not
+    what is selected); the kind is the one the "lowrank" alias fits to plain MLPs and heads."""
+    from dejavu_compile.plan import predictors
     from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan, model_fingerprint
 
+    kind = predictors.option_kinds("lowrank")[1]
     cfg = model.config
     gen = torch.Generator().manual_seed(seed)
     d = cfg.hidden_size
@@ -35,11 +38,13 @@ def synthetic_plan(model, density: float, rank: int, seed: int = 0, attn_density
         parts = [("mlp", cfg.intermediate_size, density, rank)]
         if attn_density < 1.0:
             parts.append(("attention", cfg.num_attention_heads, attn_density, 16))
-        for kind, total, share, r in parts:
-            tensors = {"in_proj": torch.randn(d, r, generator=gen) / d ** 0.5,
-                       "out_proj": torch.randn(r, total, generator=gen)}
-            entries[(layer, kind)] = PlanEntry(layer, kind, max(1, round(total * share)), total, "twolayer", tensors,
-                                               lookahead=kind == "mlp" or layer > 0)
+        for block, total, share, r in parts:
+            x = torch.randn(64, d, generator=gen)
+            data = predictors.FitInputs(x=x, x_block=x, importance=torch.rand(64, total, generator=gen), gate=None,
+                                        up=torch.randn(total, d, generator=gen), k=max(1, round(total * share)),
+                                        rank=r, steps=1, seed=seed, lookahead=True)
+            entries[(layer, block)] = PlanEntry(layer, block, data.k, total, kind.name, kind.fit(data),
+                                                lookahead=block == "mlp" or layer > 0)
     return SparsityPlan(entries, model_fingerprint(model))
 
 
@@ -52,17 +57,18 @@ PREDICTORS = {"lowrank": {"predictor": "lowrank"}, "int8": {"predictor": "int8",
 
 
 def synthetic_int8_plan(model, density: float):
-    """The default plan's method on random weights: each MLP's own gate/up rows in int8, kept
-    neurons' values from them (speed only)."""
-    from dejavu_compile.plan.predictors.glu_int8 import int8_glu_predictor
+    """The default plan's method on random weights: the training-free kind built from each MLP's own
+    gate/up rows, kept neurons' values from it (speed only)."""
+    from dejavu_compile.plan import predictors
     from dejavu_compile.plan.sparsity_plan import PlanEntry, SparsityPlan, model_fingerprint
 
+    kind = predictors.training_free_kind()
     entries = {}
     for layer, block in enumerate(model.model.layers):
-        t = int8_glu_predictor(block.mlp.gate_proj.weight, block.mlp.up_proj.weight)
-        total = t["rows"].shape[0] // 2
-        entries[(layer, "mlp")] = PlanEntry(layer, "mlp", max(1, round(total * density)), total, "glu_int8", t,
-                                            model.config.hidden_act, values="predictor")
+        gate, up = block.mlp.gate_proj.weight, block.mlp.up_proj.weight
+        total = gate.shape[0]
+        entries[(layer, "mlp")] = PlanEntry(layer, "mlp", max(1, round(total * density)), total, kind.name,
+                                            kind.from_weights(gate, up), model.config.hidden_act, values="predictor")
     return SparsityPlan(entries, model_fingerprint(model))
 
 

@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(2)
     from dejavu_compile.assets.data import wiki_articles
     from dejavu_compile.assets.models import load_smollm2
-    from dejavu_compile.plan.predictors.glu_int4 import dequantize_int4, fit_int4_glu_predictor
+    from dejavu_compile.plan.predictors.glu_int4 import fit_int4_glu_predictor, int4_glu_rows
     from dejavu_compile.plan.predictors.metrics import recall
 
     model, tok = load_smollm2()
@@ -64,8 +64,7 @@ def main(argv=None) -> int:
                     importance = (F.silu(x @ wg.T) * (x @ wu.T)).abs()
                     if group == "fit":
                         if i not in fitted:
-                            t = fit_int4_glu_predictor(fit_inputs[i], wg, wu)
-                            fitted[i] = dequantize_int4(t["codes"], t["scales"])
+                            fitted[i] = int4_glu_rows(fit_int4_glu_predictor(fit_inputs[i], wg, wu))
                         qg, qu = fitted[i][:wg.shape[0]], fitted[i][wg.shape[0]:]
                     else:
                         qg, qu = quantize(wg, bits, group), quantize(wu, bits, group)

@@ -73,8 +73,9 @@ def main(argv=None) -> int:
     def record(method, density, selector, extra=None, plan=None):
         """selector: masks by forward hooks; plan with predictor values: the backend's simulation."""
         row = {"method": method, "mlp_density": density, **(extra or {})}
-        through_backend = plan is not None and any(e.values == "predictor" or e.predictor == "glu_int4"
-                                                   for e in plan.entries.values())
+        # int4 scores are dequantized in the graph: simulated through the backend like predictor values
+        through_backend = plan is not None and (method.startswith("int4")
+                                                or any(e.values == "predictor" for e in plan.entries.values()))
         for name, chunks in sets.items():
             ppl = backend_perplexity(model, chunks, plan) if through_backend else perplexity(model, chunks, selector)
             row[f"{name}_ppl"] = ppl

@@ -115,6 +115,11 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (codes.view(rows, scales.shape[1], -1) * scales[:, :, None]).view(rows, d)
 
 
+def int4_glu_rows(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(2F, d) fp32 gate rows then up rows of fitted tensors `t` (without the bias)."""
+    return dequantize_int4(t["codes"], t["scales"])
+
+
 def int4_glu_scores(x: torch.Tensor, t: dict[str, torch.Tensor], activation: str = "silu") -> torch.Tensor:
     """(N, d) -> (N, F) scores of fitted tensors `t`, in fp32."""
     return GLU_INT4.scores(t, x, activation)
