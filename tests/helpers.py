@@ -1,6 +1,7 @@
 """Builders the tests share: token ids, a byte tokenizer, random low-rank and int8 plans, another
-checkpoint of the same architecture, teacher-forced decode logits over a static cache, a calibrated
-tiny Nemotron, and a script run under the Triton interpreter."""
+checkpoint of the same architecture, teacher-forced decode logits over a static cache, greedy tokens
+eager and through the backend, a calibrated tiny Nemotron, and a script run under the Triton
+interpreter."""
 from __future__ import annotations
 
 import copy
@@ -105,6 +106,18 @@ def decode_logits(forward, model, ids: torch.Tensor, tokens: list[torch.Tensor])
     with torch.no_grad():
         rows, _ = _decode_logits(forward, model, ids, tokens, len(tokens))
     return torch.stack(rows)
+
+
+def greedy_through_backend(model, ids: torch.Tensor, new_tokens: int = 6, options: dict | None = None):
+    """(eager greedy tokens, the backend's greedy tokens, the backend's reports) over a static cache."""
+    from dejavu_compile.testing import greedy_generate
+
+    reports = []
+    expected = greedy_generate(model, ids, new_tokens=new_tokens, cache="static")
+    actual = greedy_generate(model, ids, new_tokens=new_tokens, cache="static",
+                             dejavu_options={**(options or {}), "on_report": reports.append})
+    torch._dynamo.reset()
+    return expected, actual, reports
 
 
 def calibrated_nemotron(vocab: int = 128):

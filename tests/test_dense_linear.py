@@ -15,7 +15,7 @@ from dejavu_compile.compiler.passes.dense_linear import MAX_ROWS
 from dejavu_compile.compiler.passes.runner import dejavu_op_nodes
 from dejavu_compile.kernels.cpu import native
 from dejavu_compile.testing.tiny import tiny_model
-from tests.helpers import sparse_plan
+from tests.helpers import greedy_through_backend, sparse_plan, token_ids
 from tests.kernel_reference import HALF_ULP
 
 torch.set_num_threads(1)
@@ -139,12 +139,14 @@ def _projections(model) -> int:
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "opt"])
 def test_decode_graph_projections_all_go_through_the_gemv(arch):
     """No plan: every projection of a decode graph (attention, MLP, output head; GPT-2's Conv1D
-    addmm as well) becomes cpu_linear, and the logits equal eager's."""
+    addmm as well) becomes cpu_linear (the attention itself the decode attention op), and the
+    logits equal eager's."""
     model = tiny_model(arch, layers=2)
     actual, expected, report = _decode(model, {"inner": "eager"})
     assert report.pass_counts["dense_linear"] == _projections(model)
-    assert [n.target for n in dejavu_op_nodes(report.graph)] == [torch.ops.dejavu.cpu_linear.default] * \
-        _projections(model)
+    targets = [n.target for n in dejavu_op_nodes(report.graph)]
+    linear, attention = torch.ops.dejavu.cpu_linear.default, torch.ops.dejavu.cpu_decode_attention.default
+    assert targets.count(linear) == _projections(model) and set(targets) == {linear, attention}
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
 
 
@@ -168,14 +170,8 @@ def test_sparse_plan_leaves_its_projections_to_the_sparse_ops():
 def test_inductor_decode_with_the_gemv_matches_eager():
     """Under Inductor the op is an extern call in the compiled decode step; greedy tokens over a
     static cache equal eager's."""
-    from dejavu_compile.testing import greedy_generate
-
     model = tiny_model("llama", layers=2)
-    ids = torch.randint(3, 100, (1, 5), generator=torch.Generator().manual_seed(2))
-    reports = []
-    expected = greedy_generate(model, ids, new_tokens=6, cache="static")
-    actual = greedy_generate(model, ids, new_tokens=6, cache="static", dejavu_options={"on_report": reports.append})
-    torch._dynamo.reset()
+    expected, actual, reports = greedy_through_backend(model, token_ids(tokens=5, seed=2, high=100))
     assert torch.equal(actual, expected)
     assert any(r.pass_counts.get("dense_linear", 0) == _projections(model) for r in reports)
 

@@ -80,9 +80,9 @@ def test_an_entry_off_its_dtypes_is_passed_over(registered):
 
 
 def test_a_dense_gemv_entry_takes_the_projections_and_its_wrapper_property_decides(registered, monkeypatch):
-    """An entry filling only the dense GEMV role, above native's priority, takes every decode
-    projection (native still lowers nothing else here: there is no plan); the graph then holds no
-    entry that asks for the C++ wrapper, so Inductor keeps its Python wrapper."""
+    """An entry filling the dense GEMV and decode attention roles, above native's priority, takes
+    every decode projection and attention (native lowers nothing else here: there is no plan); the
+    graph then holds no entry that asks for the C++ wrapper, so Inductor keeps its Python wrapper."""
     import torch._inductor.compile_fx as compile_fx
     import torch.nn.functional as F
 
@@ -92,8 +92,13 @@ def test_a_dense_gemv_entry_takes_the_projections_and_its_wrapper_property_decid
         calls.append(weight.name)
         return graph.call_function(F.linear, (x, weight, bias))
 
+    def emit_decode_attention(graph, q, k, v, attn_mask, scale):
+        calls.append("attention")
+        return graph.call_function(F.scaled_dot_product_attention, (q, k, v),
+                                   {"attn_mask": attn_mask, "scale": scale, "enable_gqa": True})
+
     registered(lowering.KernelLowering("aten_gemv", ("cpu",), None, lowering.always, None, priority=35,
-                                       emit_linear=emit_linear))
+                                       emit_linear=emit_linear, emit_decode_attention=emit_decode_attention))
     assert lowering.dense_kernel("linear", {}, torch.zeros(4, 4)).name == "aten_gemv"
     assert lowering.dense_kernel("screened_head", {}, torch.zeros(4, 4)).name == "native"
     monkeypatch.setattr(compile_fx, "compile_fx",
@@ -106,5 +111,6 @@ def test_a_dense_gemv_entry_takes_the_projections_and_its_wrapper_property_decid
         got = forward(ids, use_cache=False).logits
         want = model(ids, use_cache=False).logits
     torch.testing.assert_close(got, want)
-    assert len(calls) == 7 + 1  # q, k, v, o, gate, up, down and the output head
+    assert len(calls) == 7 + 1 + 1  # q, k, v, o, gate, up, down, the output head and the attention
+    assert calls.count("attention") == 1
     assert seen and "cpp_wrapper" not in seen[-1]

@@ -62,6 +62,13 @@ def lowerable(x, weight, bias, layout: str) -> str | None:
     return None
 
 
+def decode_lowering_off(gm: fx.GraphModule, ctx) -> bool:
+    """Whether the dense decode lowerings leave this graph alone: ``dense_lowering="aten"``,
+    ``simulate``, or a graph for training or one that needs gradients (the ops have no backward)."""
+    return (ctx.opts.get("dense_lowering", "auto") == "aten" or bool(ctx.opts.get("simulate"))
+            or training_reason(gm, ctx.example_inputs) is not None or needs_gradients(ctx.example_inputs))
+
+
 class DenseLinearPass:
     """Rewrites the graph's remaining decode-shaped CPU projections into ``dejavu::cpu_linear``.
     Counts the projections rewritten."""
@@ -70,9 +77,7 @@ class DenseLinearPass:
 
     def __call__(self, gm: fx.GraphModule, ctx) -> fx.GraphModule:
         ctx.count(self.name, 0)
-        if ctx.opts.get("dense_lowering", "auto") == "aten" or ctx.opts.get("simulate"):
-            return gm
-        if training_reason(gm, ctx.example_inputs) is not None or needs_gradients(ctx.example_inputs):
+        if decode_lowering_off(gm, ctx):
             return gm
         lowerings = []
         for lin in find_linears(gm).values():

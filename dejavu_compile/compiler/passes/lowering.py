@@ -4,14 +4,16 @@ A :class:`KernelLowering` says where it runs (device types, dtypes, an availabil
 priority, and how it writes each role it fills into the graph (``ROLE_HOOKS``): the sparse MLP
 (``emit_mlp``), the int8 predictor's scoring and top-k (``emit_int8_topk``), the whole block from
 the int8 predictor's values (``emit_int8_values_mlp``), the dense decode GEMV (``emit_linear``,
-pass ``dense_linear``) and the screened output head (``emit_screened_linear``, pass
-``head_screen``). A role no applicable entry fills keeps its aten form. A new backend is one folder
-of kernels (registering ``torch.ops.dejavu.*``) plus one :func:`register_lowering`.
+pass ``dense_linear``), the screened output head (``emit_screened_linear``, pass ``head_screen``) and
+decode-step attention (``emit_decode_attention``, pass ``decode_attention``). A role no applicable
+entry fills keeps its aten form. A new backend is one folder of kernels (registering
+``torch.ops.dejavu.*``) plus one :func:`register_lowering`.
 
 Built-in entries:
 
 - ``native``: the C++ ops of the kernels package (``torch.ops.dejavu.cpu_sparse_mlp``,
-  ``cpu_glu_int8_topk``, ``cpu_glu_int8_mlp``), CPU fp32, bf16 or fp16 (weights read as stored,
+  ``cpu_glu_int8_topk``, ``cpu_glu_int8_mlp``, ``cpu_linear``, ``cpu_screened_linear``,
+  ``cpu_decode_attention``), CPU fp32, bf16 or fp16 (weights read as stored,
   sums in fp32), weight rows contiguous; called straight from Inductor's wrapper code, no Python
   per call.
 - ``decomposed``: aten gathers and ``embedding_bag`` that Inductor fuses into the decode step's
@@ -100,16 +102,24 @@ class EmitScreenedLinear(Protocol):
         the top k of each row exact from weight (n, d): (..., n)."""
 
 
+class EmitDecodeAttention(Protocol):
+    def __call__(self, graph: fx.Graph, q: fx.Node, k: fx.Node, v: fx.Node, attn_mask: Optional[fx.Node],
+                 scale: Optional[float]) -> fx.Node:
+        """scaled_dot_product_attention of a few query rows q (B, H, L, D) over a key/value cache
+        k, v (B, H_kv, S, D), H a multiple of H_kv, without dropout or causal flag: (B, H, L, D)."""
+
+
 # The roles a kernel table entry may fill, and the hook that fills each.
 ROLE_HOOKS = {"mlp": "emit_mlp", "int8_topk": "emit_int8_topk", "int8_values_mlp": "emit_int8_values_mlp",
-              "linear": "emit_linear", "screened_head": "emit_screened_linear"}
+              "linear": "emit_linear", "screened_head": "emit_screened_linear",
+              "decode_attention": "emit_decode_attention"}
 
 
 @dataclass(frozen=True)
 class KernelLowering:
     """One kernel backend's entry in the table: where it runs, its priority, and a hook per role it
     fills (``ROLE_HOOKS``: the sparse MLP, the int8 predictor's scores + top-k, the whole MLP from the
-    int8 predictor's values, the dense GEMV, the screened output head). Among the entries that apply
+    int8 predictor's values, the dense GEMV, the screened output head, decode attention). Among the entries that apply
     to a block, the automatic choice takes the highest ``priority``; ``automatic=False`` entries run
     only when the ``lowering`` option names them, and ``auto_inner`` limits the automatic choice to
     some inner compilers. ``cpp_wrapper``: its ops are C++ ops that Inductor's C++ wrapper calls with
@@ -128,6 +138,7 @@ class KernelLowering:
     emit_int8_values_mlp: Optional[EmitInt8ValuesMLP] = None
     emit_linear: Optional[EmitLinear] = None
     emit_screened_linear: Optional[EmitScreenedLinear] = None
+    emit_decode_attention: Optional[EmitDecodeAttention] = None
     cpp_wrapper: bool = False
 
     def fills(self, role: str) -> bool:
@@ -212,8 +223,9 @@ def choose_lowering(opts: dict, weight: Optional[torch.Tensor], rows_contiguous:
 
 
 def dense_kernel(role: str, opts: dict, weight: Optional[torch.Tensor]) -> KernelLowering | None:
-    """The entry of highest priority that fills a dense role ("linear", "screened_head") for this
-    weight, among the automatic ones (``lowering`` and ``cpu_lowering`` choose the sparse MLP's
+    """The entry of highest priority that fills a dense role ("linear", "screened_head",
+    "decode_attention") for this weight (for attention: the query, whose device and dtype decide),
+    among the automatic ones (``lowering`` and ``cpu_lowering`` choose the sparse MLP's
     kernels only; ``dense_lowering="aten"`` turns the dense roles off); None: the traced op stays."""
     for entry in sorted(_LOWERINGS.values(), key=lambda e: -e.priority):
         if entry.automatic and entry.fills(role) and entry.applies(opts, weight):
@@ -309,6 +321,10 @@ def emit_native_screened_linear(graph, x, weight, q, scale, k, bias) -> fx.Node:
     return graph.call_function(torch.ops.dejavu.cpu_screened_linear.default, (x, weight, q, scale, k, bias))
 
 
+def emit_native_decode_attention(graph, q, k, v, attn_mask, scale) -> fx.Node:
+    return graph.call_function(torch.ops.dejavu.cpu_decode_attention.default, (q, k, v, attn_mask, scale))
+
+
 def emit_decomposed(graph, m: SparseMLPNodes) -> fx.Node:
     """sum_j act(w_gate[j].x) * (w_up[j].x) * w_down_t[j] over j in idx, as plain aten ops that
     Inductor schedules in one graph (no per-layer op call): it turns the one-column bmm into a
@@ -358,7 +374,7 @@ register_lowering(KernelLowering("native", ("cpu",), (torch.float32, torch.bfloa
                                  emit_int8_topk=emit_native_int8_topk,
                                  emit_int8_values_mlp=emit_native_int8_values_mlp,
                                  emit_linear=emit_native_linear, emit_screened_linear=emit_native_screened_linear,
-                                 cpp_wrapper=True))
+                                 emit_decode_attention=emit_native_decode_attention, cpp_wrapper=True))
 register_lowering(KernelLowering("decomposed", ("cpu",), None, always, emit_decomposed, priority=20,
                                  auto_inner=("inductor",)))
 register_lowering(KernelLowering("op", ("cpu", "cuda"), None, always, emit_custom_op, priority=10))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dejavu_compile.compiler.passes.auto_plan import TrainingFreePlan
+from dejavu_compile.compiler.passes.decode_attention import DecodeAttentionPass
 from dejavu_compile.compiler.passes.dense_linear import DenseLinearPass
 from dejavu_compile.compiler.passes.guards import DecodeShapeGuard, PlanCheck, TrainingGuard
 from dejavu_compile.compiler.passes.head_screen import HeadScreenPass
@@ -22,6 +23,7 @@ def default_passes(opts: dict) -> list:
 
 
 def decode_lowering_passes(opts: dict) -> list:
-    """dense_linear: after the sparsity passes, whether they ran to the end or stopped (no plan,
-    prefill), the projections left dense go through the GEMV kernel at decode shapes."""
-    return [DenseLinearPass()]
+    """dense_linear, decode_attention: after the sparsity passes, whether they ran to the end or
+    stopped (no plan, prefill), the projections left dense go through the GEMV kernel and the
+    attention left dense through the decode attention kernel, at decode shapes."""
+    return [DenseLinearPass(), DecodeAttentionPass()]

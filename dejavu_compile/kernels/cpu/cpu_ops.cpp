@@ -17,7 +17,10 @@
 //       a projection whose weight is int8 with per-group scales (quantize_weights' format): any
 //       number of rows (decode and prefill), x quantized to int16 per row, sums in fp32;
 //   cpu_screened_linear(x, w, w_int8, scale, k, b?) -> (..., n)
-//       the output head screened by an int8 copy of its rows: the top k of each row recomputed from w.
+//       the output head screened by an int8 copy of its rows: the top k of each row recomputed from w;
+//   cpu_decode_attention(q, k, v, attn_mask?, scale?) -> (B, H, L, D)
+//       scaled_dot_product_attention without dropout or causal flag for a few query rows over a
+//       key/value cache: grouped heads read in place, masked slots not read, sums in fp32.
 //
 // Dtypes: x and the weights in fp32, bf16 or fp16, one dtype per call (as F.linear asks). Weights are
 // read as stored and widened in the kernels' loads; the few activations and the biases are widened
@@ -32,6 +35,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -388,6 +392,61 @@ at::Tensor cpu_screened_linear(const at::Tensor& x_in, const at::Tensor& w, cons
   return in_dtype(out, dtype);
 }
 
+// Up to this many query rows per (batch, head) the decode attention kernel runs; beyond it (prefill)
+// at::scaled_dot_product_attention's blocked kernels reuse each key across rows.
+constexpr int64_t kMaxAttentionRows = 16;
+
+at::Tensor cpu_decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                const std::optional<at::Tensor>& attn_mask, std::optional<double> scale) {
+  TORCH_CHECK(q_in.dim() == 4 && k_in.dim() == 4 && v_in.dim() == 4,
+              "cpu_decode_attention: q (B, H, L, D), k and v (B, H_kv, S, D) expected, got ", q_in.sizes(), ", ",
+              k_in.sizes(), ", ", v_in.sizes());
+  const int64_t nb = q_in.size(0), heads = q_in.size(1), L = q_in.size(2), d = q_in.size(3);
+  const int64_t kv_heads = k_in.size(1), S = k_in.size(2);
+  TORCH_CHECK(k_in.size(0) == nb && v_in.size(0) == nb && v_in.size(1) == kv_heads && v_in.size(2) == S &&
+                  k_in.size(3) == d && v_in.size(3) == d && kv_heads >= 1 && heads % kv_heads == 0,
+              "cpu_decode_attention: k and v must be (", nb, ", H_kv, S, ", d, ") with H_kv dividing ", heads,
+              ", got ", k_in.sizes(), " and ", v_in.sizes());
+  const at::ScalarType dtype = q_in.scalar_type();
+  const at::Tensor q = checked_input(q_in, "q");
+  check_cpu(k_in, "k", dtype);
+  check_cpu(v_in, "v", dtype);
+  // the cache as stored; only a head dimension with a stride (none in a KV cache) is copied
+  const at::Tensor k = k_in.stride(3) == 1 ? k_in : k_in.contiguous();
+  const at::Tensor v = v_in.stride(3) == 1 ? v_in : v_in.contiguous();
+  at::Tensor mask;  // bool, or an fp32 additive bias
+  int64_t m_strides[4] = {0, 0, 0, 0};  // element strides of the mask broadcast to (B, H, L, S)
+  if (attn_mask.has_value()) {
+    const at::Tensor& m = *attn_mask;
+    TORCH_CHECK(m.device().is_cpu() && (m.scalar_type() == at::kBool || m.scalar_type() == dtype ||
+                                        m.scalar_type() == at::kFloat),
+                "cpu_decode_attention: attn_mask must be bool or ", dtype, " on the CPU, got ", m.scalar_type());
+    mask = m.scalar_type() == at::kBool || m.scalar_type() == at::kFloat ? m : m.to(at::kFloat);
+    const int64_t full[4] = {nb, heads, L, S};
+    TORCH_CHECK(mask.dim() <= 4, "cpu_decode_attention: attn_mask of ", mask.dim(), " dimensions");
+    for (int64_t i = 0; i < mask.dim(); i++) {  // broadcasting, right-aligned as in SDPA
+      const int64_t j = 4 - mask.dim() + i, size = mask.size(i);
+      TORCH_CHECK(size == full[j] || size == 1, "cpu_decode_attention: attn_mask of shape ", mask.sizes(),
+                  " does not broadcast to (", nb, ", ", heads, ", ", L, ", ", S, ")");
+      m_strides[j] = size == 1 ? 0 : mask.stride(i);
+    }
+  }
+  if (L > kMaxAttentionRows || S == 0 || d == 0)
+    return at::scaled_dot_product_attention(q_in, k_in, v_in, attn_mask, 0.0, false, scale, heads != kv_heads);
+  const int64_t k_strides[3] = {k.stride(0), k.stride(1), k.stride(2)};
+  const int64_t v_strides[3] = {v.stride(0), v.stride(1), v.stride(2)};
+  const int threads = at::get_num_threads();
+  thread_local std::vector<float> scores;
+  scores.resize(static_cast<size_t>(threads) * S);
+  KernelOutput out({nb, heads, L, d}, dtype, out_buffer);
+  dejavu_decode_attention(fp32_values(q, x_buffer), nb, heads, L, d, kv_heads, S, weight_type(dtype), k.data_ptr(),
+                          k_strides, v.data_ptr(), v_strides, mask.defined() ? mask.data_ptr() : nullptr,
+                          mask.defined() && mask.scalar_type() == at::kBool, m_strides,
+                          static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(d)))), out.data,
+                          scores.data(), threads);
+  return out.rounded();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dejavu, m) {
@@ -399,6 +458,7 @@ TORCH_LIBRARY_FRAGMENT(dejavu, m) {
   m.def("cpu_linear(Tensor x, Tensor w, Tensor? b=None) -> Tensor");
   m.def("cpu_screened_linear(Tensor x, Tensor w, Tensor w_int8, Tensor scale, int k, Tensor? b=None) -> Tensor");
   m.def("cpu_q8_linear(Tensor x, Tensor q, Tensor scales, Tensor? b=None) -> Tensor");
+  m.def("cpu_decode_attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, float? scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dejavu, CPU, m) {
@@ -408,4 +468,5 @@ TORCH_LIBRARY_IMPL(dejavu, CPU, m) {
   m.impl("cpu_linear", &cpu_linear);
   m.impl("cpu_screened_linear", &cpu_screened_linear);
   m.impl("cpu_q8_linear", &cpu_q8_linear);
+  m.impl("cpu_decode_attention", &cpu_decode_attention);
 }

@@ -618,3 +618,54 @@ void dejavu_linear_t(const float *x, int64_t nb, int64_t d, int w_type, const vo
         sum_partials(scratch, nb * n, bias, n, out, t, n_t);
     }
 }
+
+/* Attention of a few query rows over a key/value cache (decode steps: one row per sequence):
+   out[r] = sum_s p_s v[g, s], p = softmax(scale * q[r] . k[g, s] + bias[r, s]), for each row
+   r = (b, h, l) of q, g = h / (heads / kv_heads) its key/value head (grouped-query attention reads
+   the shared heads in place, with no repeated copy). q (nb, heads, L, d) fp32 contiguous; k and v of
+   `kv_type` elements, (nb, kv_heads, S, d) with element strides (sb, sh, ss) and unit stride along d;
+   mask NULL, or boolean (keep: uint8, mask_is_bool) or an fp32 additive bias, with element strides
+   (sb, sh, sl, ss), 0 where it broadcasts; a slot masked out (false, or a bias of -inf) has its key
+   and value unread. A row with every slot masked gets zeros, one with a NaN score NaNs (as SDPA). scores: n_threads * S
+   floats. Rows are split over threads only when there is enough work to pay for the fork. */
+void dejavu_decode_attention(const float *q, int64_t nb, int64_t heads, int64_t L, int64_t d, int64_t kv_heads,
+                             int64_t S, int kv_type, const void *k, const int64_t *k_strides, const void *v,
+                             const int64_t *v_strides, const void *mask, int mask_is_bool, const int64_t *m_strides,
+                             float scale,
+                             float *out, float *scores, int n_threads) {
+    const int64_t group = heads / kv_heads, rows = nb * heads * L, eb = element_bytes(kv_type);
+    const int parallel = n_threads > 1 && rows > 1 && rows * S * d >= 65536;
+#pragma omp parallel for num_threads(n_threads) schedule(static) if (parallel)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t b = r / (heads * L), h = (r / L) % heads, l = r % L, g = h / group;
+        float *sc = scores + (int64_t)omp_get_thread_num() * S, *o = out + r * d;
+        const float *qr = q + r * d;
+        const char *kb = (const char *)k + (b * k_strides[0] + g * k_strides[1]) * eb;
+        const char *vb = (const char *)v + (b * v_strides[0] + g * v_strides[1]) * eb;
+        const int64_t m_off = b * m_strides[0] + h * m_strides[1] + l * m_strides[2];
+        const uint8_t *keep = mask && mask_is_bool ? (const uint8_t *)mask + m_off : NULL;
+        const float *add_row = mask && !mask_is_bool ? (const float *)mask + m_off : NULL;
+        float top = -INFINITY;
+        int nan = 0;
+        for (int64_t s = 0; s < S; s++) {
+            const float add = keep ? (keep[s * m_strides[3]] ? 0.0f : -INFINITY) : add_row ? add_row[s * m_strides[3]] : 0.0f;
+            sc[s] = add == -INFINITY ? -INFINITY : scale * dot_typed(kb + s * k_strides[2] * eb, kv_type, qr, d) + add;
+            top = sc[s] > top ? sc[s] : top;
+            nan |= isnan(sc[s]);
+        }
+        memset(o, 0, sizeof(float) * d);
+        if (nan) {  /* a NaN in q, a key or the mask: the row is NaN, as in SDPA */
+            for (int64_t i = 0; i < d; i++) o[i] = NAN;
+            continue;
+        }
+        if (top == -INFINITY) continue;
+        float total = 0.0f;
+        for (int64_t s = 0; s < S; s++) {
+            const float p = sc[s] == -INFINITY ? 0.0f : expf(sc[s] - top);
+            total += p;
+            if (p != 0.0f) axpy_typed(o, p, vb + s * v_strides[2] * eb, kv_type, d);
+        }
+        const float inv = 1.0f / total;
+        for (int64_t i = 0; i < d; i++) o[i] *= inv;
+    }
+}

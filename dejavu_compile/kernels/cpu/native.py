@@ -365,3 +365,10 @@ def _register_fakes() -> None:
             raise ValueError(f"w_int8 must be int8 (n, d) and scale (n,), got {w_int8.dtype} "
                              f"{tuple(w_int8.shape)} and {tuple(scale.shape)}")
         return x.new_empty(*x.shape[:-1], w.shape[0])
+
+    @torch.library.register_fake("dejavu::cpu_decode_attention")
+    def _(q, k, v, attn_mask=None, scale=None):
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:  # sizes: the C++ kernel checks them
+            raise ValueError(f"q (B, H, L, D), k and v (B, H_kv, S, D) expected, got {tuple(q.shape)}, "
+                             f"{tuple(k.shape)}, {tuple(v.shape)}")
+        return q.new_empty(q.shape)

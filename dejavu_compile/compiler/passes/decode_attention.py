@@ -1,0 +1,106 @@
+"""Pass ``decode_attention``: a CPU decode graph's attention through the backend's kernel.
+
+At a decode step each sequence attends with one query row over its key/value cache. aten's
+``scaled_dot_product_attention`` runs its blocked prefill kernel for that, which costs far more than
+the reads it does, above all in bf16 and fp16 (``benchmarks/README.md``, "Where a decode step
+goes"). ``dejavu::cpu_decode_attention`` reads each key and value row of the cache once, as stored:
+grouped-query heads share their key/value head in place (no repeated copy), slots the mask removes
+are not read, sums are in fp32 and the result is rounded once. Exact up to summation order.
+
+It applies to SDPA calls on CPU tensors in fp32, bf16 or fp16 with at most ``MAX_QUERY_ROWS`` query
+rows per head, no dropout, no causal flag (Hugging Face models pass the mask instead), one head
+dimension for q, k and v, and a mask that is boolean or in fp32 or the model's dtype and broadcasts
+to (batch, heads, rows, slots); others stay as traced. Training graphs and graphs that need
+gradients are left alone. ``dense_lowering="aten"`` turns this pass off with ``dense_linear``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from dejavu_compile.compiler.passes.dense_linear import KERNEL_DTYPES, decode_lowering_off
+from dejavu_compile.compiler.passes.graph_utils import example_value
+from dejavu_compile.compiler.passes.lowering import dense_kernel
+
+SDPA = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
+# SDPA's arguments in order (torch.nn.functional.scaled_dot_product_attention)
+SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+# Query rows per (batch, head) up to which the kernel runs (kMaxAttentionRows in cpu_ops.cpp).
+MAX_QUERY_ROWS = 16
+
+
+def sdpa_arguments(node: fx.Node) -> dict | None:
+    """The arguments of an SDPA call by name (defaults filled in), or None for another node."""
+    if node.op != "call_function" or node.target not in SDPA:
+        return None
+    args = dict(SDPA_DEFAULTS)
+    args.update(zip(SDPA_ARGS, node.args))
+    args.update(node.kwargs)
+    return args
+
+
+def _static_shape(t) -> bool:
+    return isinstance(t, torch.Tensor) and all(isinstance(s, int) for s in t.shape)
+
+
+def lowerable(args: dict) -> str | None:
+    """Why this SDPA call keeps its traced op, or None when the decode kernel takes it."""
+    q, k, v = (example_value(args[n]) for n in ("query", "key", "value"))
+    if not all(_static_shape(t) and t.dim() == 4 for t in (q, k, v)):
+        return "not 4-D (batch, heads, rows, dim) tensors of static shape"
+    if any(t.device.type != "cpu" for t in (q, k, v)):
+        return "not on the CPU"
+    if q.dtype not in KERNEL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"{q.dtype}, {k.dtype}, {v.dtype} (the kernel takes one of {', '.join(map(str, KERNEL_DTYPES))})"
+    if q.shape[2] > MAX_QUERY_ROWS:
+        return f"more than {MAX_QUERY_ROWS} query rows: prefill"
+    if args["dropout_p"] != 0 or args["is_causal"] is not False:
+        return "dropout or a causal flag"
+    if not (isinstance(args["scale"], (int, float)) or args["scale"] is None):
+        return "a scale that is not a constant"
+    batch, heads, rows, dim = q.shape
+    kv_heads = k.shape[1]
+    if k.shape[0] != batch or tuple(v.shape[:3]) != tuple(k.shape[:3]) or k.shape[3] != dim or v.shape[3] != dim:
+        return "keys and values whose shapes differ from the query's"
+    if kv_heads != heads and not (args["enable_gqa"] is True and kv_heads > 0 and heads % kv_heads == 0):
+        return "query heads that are not the key/value heads or a multiple of them under enable_gqa"
+    mask = args["attn_mask"]
+    if mask is not None:
+        m = example_value(mask)
+        if not _static_shape(m) or m.device.type != "cpu" or m.dtype not in (torch.bool, torch.float32, q.dtype):
+            return "a mask that is not boolean or of the model's dtype"
+        full = (batch, heads, rows, k.shape[2])
+        if m.dim() > 4 or any(s not in (1, f) for s, f in zip(m.shape[::-1], full[::-1])):
+            return f"a mask of shape {tuple(m.shape)} that does not broadcast to {full}"
+    return None
+
+
+class DecodeAttentionPass:
+    """Rewrites the graph's decode-shaped CPU SDPA calls into the kernel table's decode attention.
+    Counts the calls rewritten."""
+
+    name = "decode_attention"
+
+    def __call__(self, gm: fx.GraphModule, ctx) -> fx.GraphModule:
+        ctx.count(self.name, 0)
+        if decode_lowering_off(gm, ctx):
+            return gm
+        graph, rewritten = gm.graph, 0
+        for node in list(graph.nodes):
+            args = sdpa_arguments(node)
+            if args is None or lowerable(args) is not None:
+                continue
+            kernel = dense_kernel("decode_attention", ctx.opts, example_value(args["query"]))
+            if kernel is None:
+                continue
+            with graph.inserting_after(node):
+                out = kernel.use(gm, "decode_attention")(graph, args["query"], args["key"], args["value"],
+                                                         args["attn_mask"], args["scale"])
+            out.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "val", "stack_trace")})
+            node.replace_all_uses_with(out)
+            graph.erase_node(node)
+            rewritten += 1
+        ctx.count(self.name, rewritten)
+        return gm

@@ -1,0 +1,151 @@
+"""Decode-step attention: dejavu::cpu_decode_attention against float64 SDPA on the same stored
+values, and the decode_attention pass (which SDPA calls it takes, greedy tokens equal eager's)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dejavu_compile.compiler.passes.decode_attention import MAX_QUERY_ROWS
+from dejavu_compile.kernels.cpu import native
+from dejavu_compile.testing.tiny import tiny_model
+from tests.helpers import greedy_through_backend, token_ids
+from tests.kernel_reference import HALF_ULP, RTOL
+
+pytestmark = pytest.mark.skipif(not native.load_ops(), reason=f"C++ ops unavailable: {native._OPS['error']}")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@st.composite
+def attention_cases(draw):
+    """Shapes of a decode step (and a few prefill-sized ones the op hands to aten), a key/value
+    cache that may be a slice of a longer one, and a mask of any broadcast shape."""
+    batch, kv_heads, group = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    rows = draw(st.one_of(st.integers(1, 4), st.just(MAX_QUERY_ROWS + 1)))
+    slots, dim = draw(st.integers(1, 70)), draw(st.integers(1, 80))
+    full = (batch, kv_heads * group, rows, slots)
+    mask_shape = tuple(draw(st.sampled_from([n, 1])) for n in full[:3]) + (slots,)
+    mask_shape = mask_shape[draw(st.integers(0, 2)):]  # fewer dimensions (2 at least, as SDPA takes)
+    return dict(batch=batch, heads=kv_heads * group, kv_heads=kv_heads, rows=rows, slots=slots, dim=dim,
+                spare=draw(st.sampled_from([0, 5])), mask=draw(st.sampled_from(["none", "bool", "additive"])),
+                mask_shape=mask_shape, scale=draw(st.sampled_from([None, 0.3])), q_transposed=draw(st.booleans()),
+                seed=draw(st.integers(0, 2**31)))
+
+
+def attention_problem(c, dtype):
+    gen = torch.Generator().manual_seed(c["seed"])
+    q = torch.randn(c["batch"], c["heads"], c["rows"], c["dim"], generator=gen).to(dtype)
+    if c["q_transposed"]:  # as attention modules hand it over: (B, L, H, D) transposed
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    # a cache with `spare` slots beyond the ones attended: k and v are strided slices of it
+    cache = torch.randn(2, c["batch"], c["kv_heads"], c["slots"] + c["spare"], c["dim"], generator=gen).to(dtype)
+    k, v = cache[0, :, :, :c["slots"]], cache[1, :, :, :c["slots"]]
+    mask = None
+    if c["mask"] != "none":
+        keep = torch.rand(c["mask_shape"], generator=gen) < 0.7
+        keep[..., -1] = True  # every row attends somewhere (a fully masked row has its own test)
+        mask = keep if c["mask"] == "bool" else torch.zeros(c["mask_shape"]).masked_fill(~keep, float("-inf")).to(
+            dtype)
+    return q, k, v, mask
+
+
+def reference(q, k, v, mask, scale):
+    """float64 SDPA over the same stored values; grouped heads repeated."""
+    group = q.shape[1] // k.shape[1]
+    k64, v64 = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
+    m64 = mask if mask is None or mask.dtype == torch.bool else mask.double()
+    return F.scaled_dot_product_attention(q.double(), k64, v64, attn_mask=m64, scale=scale)
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=attention_cases(), dtype=st.sampled_from(DTYPES), threads=st.sampled_from([1, 2, 3]))
+def test_decode_attention_matches_float64(case, dtype, threads):
+    """Every output is a convex combination of value rows, so fp32 sums are within fp32's tolerance
+    of the largest |value|; a half-precision result adds one rounding."""
+    q, k, v, mask = attention_problem(case, dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.ops.dejavu.cpu_decode_attention(q, k, v, mask, case["scale"])
+    finally:
+        torch.set_num_threads(before)
+    ref = reference(q, k, v, mask, case["scale"])
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert torch.isfinite(out).all(), "non-finite output (unwritten rows?)"
+    scores = (q.double().abs().sum(-1).max() * k.double().abs().max()).item()  # bounds |q.k|
+    fp32 = RTOL[torch.float32] * v.double().abs().max().item() * (1 + scores)
+    tol = fp32 + HALF_ULP[dtype] * (ref.abs() + fp32)
+    err = (out.double() - ref).abs()
+    assert (err <= tol).all(), f"{dtype}: error {err.max().item():.3g} over tolerance ({case})"
+
+
+def test_decode_attention_masked_rows_and_nans_match_sdpa():
+    """A row with every slot masked is zero (as SDPA gives); a NaN in the query or a key is NaN in
+    its rows, never hidden; masked slots are not read (a NaN there changes nothing)."""
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    mask = torch.ones(1, 4, 1, 6, dtype=torch.bool)
+    mask[0, 1] = False
+    mask[0, :, :, 5] = False
+    k[0, :, 5], v[0, :, 5] = float("nan"), float("nan")
+    out = torch.ops.dejavu.cpu_decode_attention(q, k, v, mask)
+    assert torch.equal(out[0, 1], torch.zeros(1, 8))
+    ref = reference(q, k[:, :, :5], v[:, :, :5], mask[..., :5], None)
+    torch.testing.assert_close(out.double()[:, [0, 2, 3]], ref[:, [0, 2, 3]], rtol=1e-5, atol=1e-6)
+    q[0, 2, 0, 0] = float("nan")
+    out = torch.ops.dejavu.cpu_decode_attention(q, k, v, mask)
+    assert out[0, 2].isnan().all() and not out[0, [0, 3]].isnan().any()
+
+
+def test_decode_attention_rejects_shapes_that_do_not_fit():
+    q, k = torch.randn(1, 3, 1, 8), torch.randn(1, 2, 5, 8)
+    with pytest.raises(RuntimeError, match="H_kv dividing"):
+        torch.ops.dejavu.cpu_decode_attention(q, k, k)
+    with pytest.raises(RuntimeError, match="does not broadcast"):
+        torch.ops.dejavu.cpu_decode_attention(torch.randn(1, 2, 1, 8), k, k, torch.ones(1, 1, 1, 4, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="must be"):
+        torch.ops.dejavu.cpu_decode_attention(q.double(), k.double(), k.double())
+
+
+def test_decode_attention_opcheck():
+    q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+    mask = torch.rand(2, 1, 1, 9) < 0.8
+    mask[..., 0] = True
+    torch.library.opcheck(torch.ops.dejavu.cpu_decode_attention.default, (q, k, v, mask, 0.25))
+    torch.library.opcheck(torch.ops.dejavu.cpu_decode_attention.default, (q, k, v))
+
+
+def _decode_report(model, tokens=1, options=None):
+    reports = []
+    ids = torch.randint(3, 100, (1, tokens), generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(model, backend="dejavu",
+                             options={"inner": "eager", **(options or {}), "on_report": reports.append})
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits,
+                                   rtol=1e-4, atol=1e-4)
+    torch._dynamo.reset()
+    (report,) = reports
+    return report
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "opt"])
+def test_decode_graph_attention_goes_through_the_kernel(arch):
+    model = tiny_model(arch, layers=2)
+    assert _decode_report(model).pass_counts["decode_attention"] == model.config.num_hidden_layers
+
+
+def test_prefill_and_aten_option_keep_sdpa():
+    model = tiny_model("llama", layers=1)
+    assert _decode_report(model, tokens=MAX_QUERY_ROWS + 1).pass_counts["decode_attention"] == 0
+    assert _decode_report(model, options={"dense_lowering": "aten"}).pass_counts["decode_attention"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inductor_decode_with_the_attention_kernel_matches_eager(dtype):
+    """Under Inductor's C++ wrapper, over a static cache with grouped-query heads: greedy tokens equal eager's."""
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=1).to(dtype)
+    expected, actual, reports = greedy_through_backend(model, token_ids(tokens=5, seed=2, high=100))
+    assert torch.equal(actual, expected)
+    assert any(r.pass_counts.get("decode_attention", 0) == model.config.num_hidden_layers for r in reports)
