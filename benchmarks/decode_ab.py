@@ -25,8 +25,6 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-# This folder holds a kernels.py, which would shadow the `kernels` package transformers probes for.
-sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != HERE]
 PROMPT = "The history of the city begins in the Roman period, when"
 
 

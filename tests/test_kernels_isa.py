@@ -1,5 +1,5 @@
 """The CPU kernels' property tests again on the AVX2 build of an AVX-512 machine (``DEJAVU_CFLAGS=
--mno-avx512f``, the flag ``benchmarks/kernels.py --isa avx2`` uses): the two builds have separate
+-mno-avx512f``, the flag ``benchmarks/kernel_speed.py`` takes for the AVX2 paths): the two builds have separate
 vector loops (16 and 8 lanes, separate widening of bf16 and fp16 weights), and a machine runs only
 its own by default."""
 from __future__ import annotations

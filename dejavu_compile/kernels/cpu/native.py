@@ -43,12 +43,12 @@ OPS_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 # -ffp-contract=fast: fused multiply-adds in the dot products and row sums (ISO C mode, -std=c11,
 # turns contraction off otherwise, and the C build would be slower than the same code as C++).
 # $DEJAVU_CFLAGS adds flags (e.g. -mno-avx512f: the AVX2 paths on an AVX-512 machine, which
-# benchmarks/kernels.py --isa avx2 measures).
+# DEJAVU_CFLAGS=-mno-avx512f python benchmarks/kernel_speed.py measures).
 _COMMON_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fPIC", "-shared",
                  *activations.c_defines(), *os.environ.get("DEJAVU_CFLAGS", "").split())
 FLAGS = (*_COMMON_FLAGS, "-std=c11")
 # None: the machine's tuned prefetch (dejavu_tuning in cpu_sparse_mlp.c, which the C++ op uses too);
-# benchmarks/kernels.py --prefetch-sweep sets other (rows ahead, bytes per row).
+# benchmarks/kernel_speed.py --prefetch-sweep sets other (rows ahead, bytes per row).
 PREFETCH_ROWS = None
 PREFETCH_BYTES = None
 

@@ -1,16 +1,16 @@
 """Dense vs sparse decode kernels (batch 1): median times, speedup, efficiency = speedup x density.
 
-    python benchmarks/kernels.py [--quick] [--shapes llama7b smollm2] [--threads N] [--ops mlp bounds]
-    THP_MEM_ALLOC_ENABLE=0 python benchmarks/kernels.py ...   # without transparent huge pages
-    DEJAVU_CFLAGS=-mno-avx512f python benchmarks/kernels.py ...   # the AVX2 paths of an AVX-512 CPU
-    python benchmarks/kernels.py --cpu-paths native torch --prefetch-sweep   # CPU MLP paths, prefetch settings
+    python benchmarks/kernel_speed.py [--quick] [--shapes llama7b smollm2] [--threads N] [--ops mlp bounds]
+    THP_MEM_ALLOC_ENABLE=0 python benchmarks/kernel_speed.py ...   # without transparent huge pages
+    DEJAVU_CFLAGS=-mno-avx512f python benchmarks/kernel_speed.py ...   # the AVX2 paths of an AVX-512 CPU
+    python benchmarks/kernel_speed.py --cpu-paths native torch --prefetch-sweep   # CPU MLP paths, prefetch settings
 
-CPU: fp32, dense = the torch ops a decoder's MLP runs (three F.linear), sparse = the dejavu ops
-(efficiency also against the backend's own dense path, its GEMV op, column "GEMV"); the sparse MLP
-op runs through
-each CPU path: "native" (the C kernel fp32 calls take, rows ``gated_mlp``), "c++" (the same kernel
-through the C++-registered op decode graphs call, rows ``gated_mlp/c++``) and "torch" (the
-Inductor-fused gather-GEMV + embedding_bag, rows ``gated_mlp/torch``). CUDA (auto-detected): fp16, dense
+CPU: fp32 (``--dtype bfloat16`` / ``float16``: weights read as stored), dense = the torch ops a
+decoder's MLP runs (three F.linear), sparse = the dejavu ops (efficiency also against the backend's
+own dense path, its GEMV op, column "GEMV"); the sparse MLP op runs through each CPU path:
+"native" (the C kernel fp32 calls take, rows ``gated_mlp``), "c++" (the same kernel through the
+C++-registered op decode graphs call, rows ``gated_mlp/c++``) and "torch" (the Inductor-fused
+gather-GEMV + embedding_bag, rows ``gated_mlp/torch``). CUDA (auto-detected): fp16, dense
 on cuBLAS, sparse = the Triton kernels (autotuned), both timed as CUDA-graph replays (kernel time,
 no launch overhead). Efficiency 1.0 means the sparse op reaches the bandwidth limit (time scales
 with the bytes it reads). Each sparse MLP row also
@@ -140,10 +140,10 @@ def bench_mlp(shape, dtype, device, reps, densities, timer, label="gated_mlp", o
         w = layers[i]["dense"]
         return F.linear(F.silu(F.linear(x, w["w_gate"])) * F.linear(x, w["w_up"]), w["w_down"])
 
-    # The backend's own dense decode path on CPU fp32: the same three projections through its GEMV op
-    # (dejavu::cpu_linear). Efficiency is also reported against it, the faster dense baseline here.
+    # The backend's own dense decode path on CPU (fp32, bf16, fp16): the same three projections through
+    # its GEMV op (dejavu::cpu_linear). Efficiency is also reported against it, the faster dense baseline here.
     gemv_ms = None
-    if device.type == "cpu" and dtype == torch.float32 and native.load_ops():
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16) and native.load_ops():
         def dense_gemv(i):
             w, lin = layers[i]["dense"], torch.ops.dejavu.cpu_linear
             return lin(F.silu(lin(x, w["w_gate"])) * lin(x, w["w_up"]), w["w_down"])
@@ -296,6 +296,8 @@ def main(argv=None):
     ap.add_argument("--cpu-paths", nargs="+", default=["native", "c++", "torch"], choices=["native", "c++", "torch"],
                     help="CPU sparse MLP paths to measure (native: the public op, C kernel; c++: the same kernel "
                          "through the backend's C++ op; torch: Inductor-fused)")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="weights and activations (default: float32 on CPU, float16 on CUDA)")
     ap.add_argument("--prefetch-sweep", action="store_true", help="also sweep the C kernel's prefetch settings")
     ap.add_argument("--out", default=None,
                     help="JSON path (default benchmarks/results/kernels-<device>-t<threads>.json)")
@@ -307,7 +309,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.float16 if device.type == "cuda" else torch.float32
     reps = 5 if args.quick else 21
     densities = (0.1, 0.5) if args.quick else DENSITIES
     timer = Timer(device)
