@@ -36,6 +36,7 @@ CATEGORIES = {  # profiler event name -> category; the rest is "other"
     "dejavu::cpu_glu_int8_mlp": "weights: sparse MLP ops",
     "dejavu::cpu_sparse_mlp": "weights: sparse MLP ops", "dejavu::cpu_glu_int8_topk": "weights: sparse MLP ops",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)",
+    "dejavu::cpu_decode_attention": "attention (SDPA)",
     "TorchDynamo Cache Lookup": "Dynamo guards",
 }
 

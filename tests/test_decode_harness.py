@@ -19,7 +19,12 @@ def model():
     return m
 
 
-def test_every_variant_decodes_the_same_tokens_and_shares_what_it_is_given(model):
+def test_every_variant_decodes_the_same_tokens_and_shares_what_it_is_given(model, monkeypatch):
+    from dejavu_compile.evaluation import decode
+
+    cache_lens = []
+    monkeypatch.setattr(decode, "greedy_decode", lambda *a, max_cache_len=None, **kw: cache_lens.append(
+        max_cache_len) or greedy_decode(*a, max_cache_len=max_cache_len, **kw))
     ids = token_ids(tokens=4)
     with torch.no_grad():
         want = greedy_decode(model, ids, 5)
@@ -31,7 +36,7 @@ def test_every_variant_decodes_the_same_tokens_and_shares_what_it_is_given(model
 
     compiled = compiled_forward("eager")
     variants = [Variant("eager"), Variant("compiled", compiled),
-                Variant("compiled, greedy_decode", compiled, loop="greedy_decode"),
+                Variant("compiled, greedy_decode", compiled, loop="greedy_decode", max_cache_len=64),
                 Variant("outside", run=outside)]
     speed = measure_decode(model, ids, variants, new_tokens=5, repeats=2, progress=False)
     assert list(speed) == [v.name for v in variants]
@@ -39,6 +44,7 @@ def test_every_variant_decodes_the_same_tokens_and_shares_what_it_is_given(model
         assert torch.equal(v.outputs, want), v.name
     assert variants[3].outputs == want[0, ids.shape[1]:].tolist()
     assert runs == [1, 5] * 3  # the warm-up round, then two timed rounds, interleaved
+    assert cache_lens == [64] * 6  # the greedy_decode variant's 3 rounds of 1 and 5 tokens, its cache as asked
     assert all(len(row["runs"]) == 2 and row["tokens_per_s"] > 0 for row in speed.values())
     assert speed["compiled"]["graphs"] >= 1 and speed["eager"]["graphs"] == 0
     assert model.forward.__func__ is type(model).forward  # the model's own forward is back
@@ -49,6 +55,11 @@ def test_a_compiled_variant_that_compiles_nothing_is_refused(model):
     with pytest.raises(RuntimeError, match="compiled no graph"):
         measure_decode(model, token_ids(tokens=4), variants, new_tokens=3, repeats=1, progress=False)
     assert not torch._dynamo.config.error_on_recompile
+
+
+def test_a_cache_length_is_for_the_greedy_loops():
+    with pytest.raises(ValueError, match="max_cache_len"):
+        Variant("generate", loop="generate", max_cache_len=64)
 
 
 def test_one_new_token_is_refused(model):

@@ -105,7 +105,8 @@ def test_a_dense_gemv_entry_takes_the_projections_and_its_wrapper_property_decid
                         lambda gm, inputs, config_patches=None, **kw: seen.append(dict(config_patches or {}))
                         or gm.forward)
     model = tiny_model("llama", layers=1)
-    forward = torch.compile(model.forward, backend="dejavu", options={"inner": "inductor"})
+    forward = torch.compile(model.forward, backend="dejavu",
+                            options={"inner": "inductor", "attention_lowering": "auto"})
     ids = token_ids(tokens=1)
     with torch.no_grad():
         got = forward(ids, use_cache=False).logits

@@ -39,6 +39,10 @@ OPTION_DEFAULTS: dict[str, Any] = {
     # dense fp32 projections of CPU decode graphs: "auto" through the C++ GEMV op where it builds
     # (passes/dense_linear.py), "aten": left to the inner compiler
     "dense_lowering": "auto",
+    # SDPA of CPU decode graphs (at most 16 query rows): "auto" through the kernel table's decode
+    # attention (the C++ op, passes/decode_attention.py), "aten": left to the inner compiler. Off by
+    # default: on SmolLM2 it measured no faster than Inductor's SDPA (benchmarks/results/decode-attention.json)
+    "attention_lowering": "aten",
 }
 INNER_CHOICES = ("inductor", "eager")
 
@@ -94,8 +98,9 @@ def validate_options(options: dict | None) -> dict:
         if merged["lowering"] not in registered_lowerings():
             raise DejavuOptionError(f"option 'lowering' must be None or one of {sorted(registered_lowerings())}, "
                                     f"got {merged['lowering']!r}")
-    if merged["dense_lowering"] not in ("auto", "aten"):
-        raise DejavuOptionError(f"option 'dense_lowering' must be 'auto' or 'aten', got {merged['dense_lowering']!r}")
+    for name in ("dense_lowering", "attention_lowering"):
+        if merged[name] not in ("auto", "aten"):
+            raise DejavuOptionError(f"option {name!r} must be 'auto' or 'aten', got {merged[name]!r}")
     max_batch = merged["max_batch"]
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise DejavuOptionError(f"option 'max_batch' must be a positive int, got {max_batch!r}")

@@ -29,15 +29,18 @@ LOOPS = ("generate", "greedy_decode", "greedy_decode_unguarded")
 class Variant:
     """One way to decode. ``wrap`` turns the model's forward into the one to use (variants given the
     same ``wrap`` object share one compiled forward); ``loop`` drives it (``generate()`` with a
-    static cache, ``greedy_decode``, or ``greedy_decode(skip_guards=True)``). ``run`` instead decodes
-    with an outside runtime: ``run(n)`` returns its n new tokens (ids or text). ``compiled``
-    (default: a ``wrap`` is given) says whether the warm-up must compile graphs."""
+    static cache, ``greedy_decode``, or ``greedy_decode(skip_guards=True)``); ``max_cache_len``
+    gives the greedy loops' static cache that many slots (a cache allocated once for longer
+    sequences; default: prompt + new tokens). ``run`` instead decodes with an outside runtime:
+    ``run(n)`` returns its n new tokens (ids or text). ``compiled`` (default: a ``wrap`` is given)
+    says whether the warm-up must compile graphs."""
 
     name: str
     wrap: Callable | None = None
     loop: str = "generate"
     run: Callable[[int], object] | None = None
     compiled: bool | None = None
+    max_cache_len: int | None = None
     forward: Callable | None = None
     times: dict[int, list[float]] = field(default_factory=dict)
     outputs: torch.Tensor | None = None  # the warm-up's whole sequence (prompt + new tokens), or run's result
@@ -47,6 +50,8 @@ class Variant:
             raise ValueError(f"loop must be one of {LOOPS}, got {self.loop!r}")
         if self.compiled is None:
             self.compiled = self.wrap is not None
+        if self.max_cache_len is not None and self.loop == "generate":
+            raise ValueError("max_cache_len is for the greedy_decode loops (generate() sizes its own cache)")
 
 
 def _generate(model, ids, new_tokens):
@@ -62,7 +67,8 @@ def _decode(model, ids, variant: Variant, n: int):
         return _generate(model, ids, n)
     from dejavu_compile.evaluation.decode import greedy_decode
 
-    return greedy_decode(model, ids, n, skip_guards=variant.loop == "greedy_decode_unguarded")
+    return greedy_decode(model, ids, n, max_cache_len=variant.max_cache_len,
+                         skip_guards=variant.loop == "greedy_decode_unguarded")
 
 
 def _compiled_graphs() -> int:

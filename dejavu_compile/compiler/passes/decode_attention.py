@@ -11,7 +11,10 @@ It applies to SDPA calls on CPU tensors in fp32, bf16 or fp16 with at most ``MAX
 rows per head, no dropout, no causal flag (Hugging Face models pass the mask instead), one head
 dimension for q, k and v, and a mask that is boolean or in fp32 or the model's dtype and broadcasts
 to (batch, heads, rows, slots); others stay as traced. Training graphs and graphs that need
-gradients are left alone. ``dense_lowering="aten"`` turns this pass off with ``dense_linear``.
+gradients are left alone. The pass runs only with ``attention_lowering="auto"`` (the default,
+"aten", leaves SDPA to the inner compiler: on SmolLM2 decode the op measured no faster than
+Inductor's SDPA, ``benchmarks/results/decode-attention.json``); ``dense_lowering="aten"`` turns it
+off with ``dense_linear``.
 """
 from __future__ import annotations
 
@@ -85,7 +88,7 @@ class DecodeAttentionPass:
 
     def __call__(self, gm: fx.GraphModule, ctx) -> fx.GraphModule:
         ctx.count(self.name, 0)
-        if decode_lowering_off(gm, ctx):
+        if decode_lowering_off(gm, ctx) or ctx.opts.get("attention_lowering", "aten") == "aten":
             return gm
         graph, rewritten = gm.graph, 0
         for node in list(graph.nodes):
