@@ -1,9 +1,7 @@
 """Pass ``decode_attention``: a CPU decode graph's attention through the backend's kernel.
 
-At a decode step each sequence attends with one query row over its key/value cache. aten's
-``scaled_dot_product_attention`` runs its blocked prefill kernel for that, which costs far more than
-the reads it does, above all in bf16 and fp16 (``benchmarks/README.md``, "Where a decode step
-goes"). ``dejavu::cpu_decode_attention`` reads each key and value row of the cache once, as stored:
+At a decode step each sequence attends with one query row over its key/value cache.
+``dejavu::cpu_decode_attention`` reads each key and value row of the cache once, as stored:
 grouped-query heads share their key/value head in place (no repeated copy), slots the mask removes
 are not read, sums are in fp32 and the result is rounded once. Exact up to summation order.
 
@@ -20,13 +18,12 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from dejavu_compile.compiler.passes.dense_linear import KERNEL_DTYPES, decode_lowering_off
 from dejavu_compile.compiler.passes.graph_utils import example_value
 from dejavu_compile.compiler.passes.lowering import dense_kernel
+from dejavu_compile.compiler.passes.match_attention import SDPA
 
-SDPA = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
 # SDPA's arguments in order (torch.nn.functional.scaled_dot_product_attention)
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
