@@ -5,7 +5,8 @@
     DEJAVU_CFLAGS=-mno-avx512f python benchmarks/kernel_speed.py ...   # the AVX2 paths of an AVX-512 CPU
     python benchmarks/kernel_speed.py --cpu-paths native torch --prefetch-sweep   # CPU MLP paths, prefetch settings
 
-CPU: fp32 (``--dtype bfloat16`` / ``float16``: weights read as stored), dense = the torch ops a
+CPU: fp32 (``--dtype bfloat16`` / ``float16``: weights read as stored; ``--dtype int8``: rows ``gated_mlp/q8``,
+the int8 ops of ``quantize_weights``' format, dense and sparse, see ``bench_q8_mlp``), dense = the torch ops a
 decoder's MLP runs (three F.linear), sparse = the dejavu ops (efficiency also against the backend's
 own dense path, its GEMV op, column "GEMV"); the sparse MLP op runs through each CPU path:
 "native" (the C kernel fp32 calls take, rows ``gated_mlp``), "c++" (the same kernel through the
@@ -133,11 +134,14 @@ def bench_mlp(shape, dtype, device, reps, densities, timer, label="gated_mlp", o
     for _ in range(n_copies(layer_bytes)):
         w = [torch.randn(*s, generator=gen).div_(s[1] ** 0.5).to(device, dtype) for s in ((ff, d), (ff, d), (d, ff))]
         layers.append(prepare_gated_mlp_weights(*w))
+        # the dense baselines read the weights as a model stores them: gate and up each contiguous
+        # (the views into the stacked (F, 2, d) storage interleave them, which slows a GEMV's stream)
+        layers[-1]["model"] = dict(w_gate=w[0], w_up=w[1], w_down=layers[-1]["dense"]["w_down"])
         del w
     x = torch.randn(1, d, generator=gen).to(device, dtype)
 
     def dense(i):
-        w = layers[i]["dense"]
+        w = layers[i]["model"]
         return F.linear(F.silu(F.linear(x, w["w_gate"])) * F.linear(x, w["w_up"]), w["w_down"])
 
     # The backend's own dense decode path on CPU (fp32, bf16, fp16): the same three projections through
@@ -145,7 +149,7 @@ def bench_mlp(shape, dtype, device, reps, densities, timer, label="gated_mlp", o
     gemv_ms = None
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16) and native.load_ops():
         def dense_gemv(i):
-            w, lin = layers[i]["dense"], torch.ops.dejavu.cpu_linear
+            w, lin = layers[i]["model"], torch.ops.dejavu.cpu_linear
             return lin(F.silu(lin(x, w["w_gate"])) * lin(x, w["w_up"]), w["w_down"])
 
         gemv_ms = statistics.median(interleaved(timer, dense_gemv, dense, reps, len(layers))[0]) * 1e3
@@ -167,6 +171,58 @@ def bench_mlp(shape, dtype, device, reps, densities, timer, label="gated_mlp", o
         if gemv_ms is not None:
             row.update(dense_gemv_ms=gemv_ms, efficiency_vs_gemv=gemv_ms / row["sparse_ms"] * k / ff,
                        dense_gemv_GBps=layer_bytes / gemv_ms / 1e6)
+        rows.append(row)
+    return rows
+
+
+def bench_q8_mlp(shape, reps, densities, timer):
+    """An MLP with int8 weights in quantize_weights' format (groups of 32, fp32 scales), CPU: dense =
+    the three projections through the backend's int8 GEMV (dejavu::cpu_q8_linear, what a quantized
+    model runs), sparse = dejavu::cpu_q8_sparse_mlp over the same gate and up rows and the down
+    weight stored transposed (quantized along d_out). Bytes: the int8 values and their scales."""
+    from dejavu_compile.compiler.quantize import quantize_rows_grouped
+
+    d, ff, group = shape["d"], shape["ff"], 32
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    layer_bytes = 3 * d * ff * (group + 4) // group
+    layers = []
+    for _ in range(n_copies(layer_bytes)):
+        w = [torch.randn(*s, generator=gen).div_(s[1] ** 0.5) for s in ((ff, d), (ff, d), (d, ff))]
+        layers.append(dict(gate=quantize_rows_grouped(w[0], group), up=quantize_rows_grouped(w[1], group),
+                           down=quantize_rows_grouped(w[2], group),
+                           down_t=quantize_rows_grouped(w[2].t().contiguous(), group)))
+        del w
+    x = torch.randn(1, d, generator=gen)
+    lin, sparse_op = torch.ops.dejavu.cpu_q8_linear, torch.ops.dejavu.cpu_q8_sparse_mlp
+
+    def dense(i):
+        p = layers[i]
+        return lin(F.silu(lin(x, *p["gate"], None)) * lin(x, *p["up"], None), *p["down"], None)
+
+    def dequantized(q_scales):
+        q, scales = q_scales
+        return (q.float().reshape(q.shape[0], -1, group) * scales[..., None]).reshape(q.shape)
+
+    p0 = layers[0]
+    h0 = F.silu(x @ dequantized(p0["gate"]).T) * (x @ dequantized(p0["up"]).T)
+    rows = []
+    for dens in densities:
+        k = max(1, round(dens * ff))
+        pool = [torch.randperm(ff, generator=gen)[:k].sort().values for _ in range(POOL)]
+        calls = [0]
+
+        def sparse(i):
+            calls[0] += 1
+            p = layers[i]
+            return sparse_op(x, *p["gate"], *p["up"], *p["down_t"], pool[calls[0] % POOL], "silu")
+
+        row = summarize("gated_mlp/q8", k, ff, *interleaved(timer, dense, sparse, reps, len(layers)))
+        ref = h0[:, pool[0]] @ dequantized(p0["down_t"])[pool[0]]
+        out = sparse_op(x, *p0["gate"], *p0["up"], *p0["down_t"], pool[0], "silu")
+        row["rel_err"] = ((out - ref).abs().max() / ref.abs().max()).item()
+        dense_gbps = layer_bytes / row["dense_ms"] / 1e6
+        row.update(dense_GBps=dense_gbps, sparse_GBps=layer_bytes * k / ff / row["sparse_ms"] / 1e6,
+                   dense_gemv_ms=row["dense_ms"], efficiency_vs_gemv=row["efficiency"], dense_gemv_GBps=dense_gbps)
         rows.append(row)
     return rows
 
@@ -296,8 +352,9 @@ def main(argv=None):
     ap.add_argument("--cpu-paths", nargs="+", default=["native", "c++", "torch"], choices=["native", "c++", "torch"],
                     help="CPU sparse MLP paths to measure (native: the public op, C kernel; c++: the same kernel "
                          "through the backend's C++ op; torch: Inductor-fused)")
-    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                    help="weights and activations (default: float32 on CPU, float16 on CUDA)")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "int8"],
+                    help="weights and activations (default: float32 on CPU, float16 on CUDA); int8: CPU weights "
+                         "in quantize_weights' format, fp32 activations, dense and sparse through the int8 ops")
     ap.add_argument("--prefetch-sweep", action="store_true", help="also sweep the C kernel's prefetch settings")
     ap.add_argument("--out", default=None,
                     help="JSON path (default benchmarks/results/kernels-<device>-t<threads>.json)")
@@ -309,7 +366,11 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype) if args.dtype else torch.float16 if device.type == "cuda" else torch.float32
+    q8 = args.dtype == "int8"
+    if q8 and (device.type != "cpu" or not native.load_ops()):
+        ap.error("--dtype int8 measures the CPU int8 ops: it needs a CPU run and the C++ ops")
+    dtype = torch.int8 if q8 else getattr(torch, args.dtype) if args.dtype else \
+        torch.float16 if device.type == "cuda" else torch.float32
     reps = 5 if args.quick else 21
     densities = (0.1, 0.5) if args.quick else DENSITIES
     timer = Timer(device)
@@ -333,13 +394,15 @@ def main(argv=None):
     for name in args.shapes:
         shape = SHAPES[name]
         rows = []
-        if "mlp" in args.ops:
+        if "mlp" in args.ops and q8:
+            rows = bench_q8_mlp(shape, reps, densities, timer)
+        elif "mlp" in args.ops:
             rows = (bench_cpu_paths(shape, dtype, device, reps, densities, timer, args.cpu_paths)
                     if device.type == "cpu" else bench_mlp(shape, dtype, device, reps, densities, timer))
         bounds = (bench_bounds(shape, dtype, device, reps, densities, timer)
-                  if device.type == "cpu" and "bounds" in args.ops else {})
+                  if device.type == "cpu" and "bounds" in args.ops and not q8 else {})
         result["shapes"][name] = dict(shape=shape, rows=rows, bounds=bounds)
-        if args.prefetch_sweep and device.type == "cpu" and native.available():
+        if args.prefetch_sweep and device.type == "cpu" and native.available() and not q8:
             result["shapes"][name]["prefetch_sweep"] = prefetch_sweep(shape, dtype, device, reps, timer)
         print(f"\n## {name} {shape}")
         print(f"{'op':<15}{'density':>8}{'dense ms':>10}{'sparse ms':>11}{'speedup':>9}{'effic.':>8}"

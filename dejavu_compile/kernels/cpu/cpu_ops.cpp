@@ -16,6 +16,10 @@
 //   cpu_q8_linear(x, q, scales, b?) -> (..., n)
 //       a projection whose weight is int8 with per-group scales (quantize_weights' format): any
 //       number of rows (decode and prefill), x quantized to int16 per row, sums in fp32;
+//   cpu_q8_sparse_mlp(x, q_a, s_a, q_b?, s_b?, q_down_t, s_down_t, idx, activation, b_a?, b_b?, b_down?)
+//       the neuron-sparse MLP over int8 weights in that format: the kept neurons' gate and up rows
+//       (the dense projections' own values, to the bit) and their rows of the down weight stored
+//       transposed, (n, d_out), quantized along d_out;
 //   cpu_screened_linear(x, w, w_int8, scale, k, b?) -> (..., n)
 //       the output head screened by an int8 copy of its rows: the top k of each row recomputed from w;
 //   cpu_decode_attention(q, k, v, attn_mask?, scale?) -> (B, H, L, D)
@@ -161,6 +165,38 @@ const float* bias_ptr(const std::optional<at::Tensor>& b, const char* name, int6
   return keep.data_ptr<float>();
 }
 
+// The kept neurons of a sparse MLP call: idx int64 (k,) shared by the nb rows of x or (nb, k), unit
+// stride along k, every id in [0, n); row_stride 0 when shared.
+struct NeuronIds {
+  int64_t k, row_stride;
+  const int64_t* ids;
+  NeuronIds(const at::Tensor& idx, int64_t nb, int64_t n) {
+    TORCH_CHECK(idx.scalar_type() == at::kLong && idx.device().is_cpu(), "idx must be int64 on the CPU, got ",
+                idx.scalar_type(), " on ", idx.device());
+    TORCH_CHECK((idx.dim() == 1 || (idx.dim() == 2 && idx.size(0) == nb)) && idx.size(-1) >= 1 &&
+                    idx.stride(-1) == 1,
+                "idx must be (k,) or (", nb, ", k) with k >= 1 and unit stride along k, got ", idx.sizes());
+    k = idx.size(-1);
+    row_stride = idx.dim() == 1 ? 0 : idx.stride(0);
+    ids = idx.data_ptr<int64_t>();
+    for (int64_t r = 0; r < (idx.dim() == 1 ? 1 : nb); r++)
+      for (int64_t j = 0; j < k; j++) {
+        const int64_t v = ids[r * row_stride + j];
+        TORCH_CHECK(v >= 0 && v < n, "idx holds ", v, ", out of range for ", n, " neurons");
+      }
+  }
+};
+
+// A sparse MLP call's optional biases (n for gate and up, d_out for down) as fp32 pointers, or null.
+struct MLPBiases {
+  at::Tensor keep_a, keep_b, keep_down;
+  const float *a, *b, *down;
+  MLPBiases(const std::optional<at::Tensor>& b_a, const std::optional<at::Tensor>& b_b,
+            const std::optional<at::Tensor>& b_down, int64_t n, int64_t d_out, at::ScalarType dtype)
+      : a(bias_ptr(b_a, "b_a", n, dtype, keep_a)), b(bias_ptr(b_b, "b_b", n, dtype, keep_b)),
+        down(bias_ptr(b_down, "b_down", d_out, dtype, keep_down)) {}
+};
+
 at::Tensor cpu_sparse_mlp(const at::Tensor& x_in, const at::Tensor& w_a, const std::optional<at::Tensor>& w_b,
                           const at::Tensor& w_down_t, const at::Tensor& idx, c10::string_view activation,
                           const std::optional<at::Tensor>& b_a, const std::optional<at::Tensor>& b_b,
@@ -173,22 +209,11 @@ at::Tensor cpu_sparse_mlp(const at::Tensor& x_in, const at::Tensor& w_a, const s
   check_rows(w_a, "w_a", n, d, dtype);
   if (w_b.has_value()) check_rows(*w_b, "w_b", n, d, dtype);
   check_rows(w_down_t, "w_down_t", n, d_out, dtype);
-  TORCH_CHECK(idx.scalar_type() == at::kLong && idx.device().is_cpu(), "idx must be int64 on the CPU, got ",
-              idx.scalar_type(), " on ", idx.device());
-  TORCH_CHECK((idx.dim() == 1 || (idx.dim() == 2 && idx.size(0) == nb)) && idx.size(-1) >= 1 &&
-                  idx.stride(-1) == 1,
-              "idx must be (k,) or (", nb, ", k) with k >= 1 and unit stride along k, got ", idx.sizes());
-  const int64_t k = idx.size(-1), row_stride = idx.dim() == 1 ? 0 : idx.stride(0);
-  const int64_t* ids = idx.data_ptr<int64_t>();
-  for (int64_t r = 0; r < (idx.dim() == 1 ? 1 : nb); r++)
-    for (int64_t j = 0; j < k; j++) {
-      const int64_t v = ids[r * row_stride + j];
-      TORCH_CHECK(v >= 0 && v < n, "idx holds ", v, ", out of range for ", n, " neurons");
-    }
-  at::Tensor keep_a, keep_b, keep_d;
-  const float* pa = bias_ptr(b_a, "b_a", n, dtype, keep_a);
-  const float* pb = bias_ptr(b_b, "b_b", n, dtype, keep_b);
-  const float* pd = bias_ptr(b_down, "b_down", d_out, dtype, keep_d);
+  const NeuronIds neurons(idx, nb, n);
+  const int64_t k = neurons.k, row_stride = neurons.row_stride;
+  const int64_t* ids = neurons.ids;
+  const MLPBiases biases(b_a, b_b, b_down, n, d_out, dtype);
+  const float *pa = biases.a, *pb = biases.b, *pd = biases.down;
   const int threads = at::get_num_threads();
   KernelOutput out({nb, d_out}, dtype, out_buffer);
   at::Tensor scratch = at::empty({threads * nb * d_out}, x.options().dtype(at::kFloat));
@@ -319,19 +344,27 @@ at::Tensor cpu_linear(const at::Tensor& x_in, const at::Tensor& w, const std::op
   return out.rounded();
 }
 
-at::Tensor cpu_q8_linear(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales,
-                         const std::optional<at::Tensor>& b) {
+// The group size of int8 rows q (n, width) with per-group fp32 scales (n, groups): quantize_weights'
+// format (a multiple of 32 up to 256 weights per group); `what` names them in errors.
+int64_t q8_group(const at::Tensor& q, const at::Tensor& scales, const char* what) {
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(),
-              "cpu_q8_linear: q must be contiguous int8 (n, d) on the CPU, got ", q.scalar_type(), " ", q.sizes());
+              what, ": q must be contiguous int8 (n, d) on the CPU, got ", q.scalar_type(), " ", q.sizes());
   const int64_t n = q.size(0), d = q.size(1);
-  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == d, "cpu_q8_linear: x (..., ", d, ") expected, got ", x_in.sizes());
   check_cpu(scales, "scales", at::kFloat);
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) >= 1 && scales.is_contiguous() &&
                   d % scales.size(1) == 0,
-              "scales must be contiguous float32 (", n, ", groups) with groups dividing ", d, ", got ", scales.sizes());
+              what, ": scales must be contiguous float32 (", n, ", groups) with groups dividing ", d, ", got ",
+              scales.sizes());
   const int64_t group = d / scales.size(1);
-  TORCH_CHECK(group % 32 == 0 && group <= 256, "cpu_q8_linear: groups of a multiple of 32 up to 256 weights, got ",
-              group);
+  TORCH_CHECK(group % 32 == 0 && group <= 256, what, ": groups of a multiple of 32 up to 256 weights, got ", group);
+  return group;
+}
+
+at::Tensor cpu_q8_linear(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& b) {
+  const int64_t group = q8_group(q, scales, "cpu_q8_linear");
+  const int64_t n = q.size(0), d = q.size(1);
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == d, "cpu_q8_linear: x (..., ", d, ") expected, got ", x_in.sizes());
   const at::ScalarType dtype = x_in.scalar_type();
   const at::Tensor x = checked_input(x_in, "x");
   at::Tensor keep_b;
@@ -345,6 +378,47 @@ at::Tensor cpu_q8_linear(const at::Tensor& x_in, const at::Tensor& q, const at::
   at::Tensor x_scale = at::empty({rows}, x.options().dtype(at::kFloat));
   dejavu_q8_linear(fp32_values(x, x_buffer), rows, d, q.data_ptr<int8_t>(), n, scales.data_ptr<float>(), group, pb,
                    out.data, x_int16.data_ptr<int16_t>(), x_scale.data_ptr<float>(), at::get_num_threads());
+  return out.rounded();
+}
+
+at::Tensor cpu_q8_sparse_mlp(const at::Tensor& x_in, const at::Tensor& q_a, const at::Tensor& s_a,
+                             const std::optional<at::Tensor>& q_b, const std::optional<at::Tensor>& s_b,
+                             const at::Tensor& q_down_t, const at::Tensor& s_down_t, const at::Tensor& idx,
+                             c10::string_view activation, const std::optional<at::Tensor>& b_a,
+                             const std::optional<at::Tensor>& b_b, const std::optional<at::Tensor>& b_down) {
+  const int act = activation_code(activation);
+  TORCH_CHECK(x_in.dim() == 2, "x must be (batch, d), got ", x_in.sizes());
+  const int64_t group = q8_group(q_a, s_a, "cpu_q8_sparse_mlp (gate)");
+  const int64_t nb = x_in.size(0), n = q_a.size(0), d = q_a.size(1);
+  TORCH_CHECK(x_in.size(1) == d, "cpu_q8_sparse_mlp: x (batch, ", d, ") expected, got ", x_in.sizes());
+  TORCH_CHECK(q_b.has_value() == s_b.has_value(), "cpu_q8_sparse_mlp: q_b and s_b go together");
+  if (q_b.has_value()) {
+    TORCH_CHECK(q8_group(*q_b, *s_b, "cpu_q8_sparse_mlp (up)") == group && q_b->sizes() == q_a.sizes(),
+                "cpu_q8_sparse_mlp: up must have gate's shape ", q_a.sizes(), " and group size ", group);
+  }
+  const int64_t down_group = q8_group(q_down_t, s_down_t, "cpu_q8_sparse_mlp (down)");
+  TORCH_CHECK(q_down_t.size(0) == n, "cpu_q8_sparse_mlp: q_down_t must have ", n, " rows, got ", q_down_t.size(0));
+  const int64_t d_out = q_down_t.size(1);
+  const NeuronIds neurons(idx, nb, n);
+  const int64_t k = neurons.k, row_stride = neurons.row_stride;
+  const int64_t* ids = neurons.ids;
+  const at::ScalarType dtype = x_in.scalar_type();
+  const at::Tensor x = checked_input(x_in, "x");
+  const MLPBiases biases(b_a, b_b, b_down, n, d_out, dtype);
+  const float *pa = biases.a, *pb = biases.b, *pd = biases.down;
+  const int threads = at::get_num_threads();
+  KernelOutput out({nb, d_out}, dtype, out_buffer);
+  if (nb == 0) return out.result;
+  at::Tensor scratch = at::empty({threads * nb * d_out}, x.options().dtype(at::kFloat));
+  at::Tensor values = at::empty({nb * k}, x.options().dtype(at::kFloat));
+  at::Tensor x_int16 = at::empty({nb, d}, x.options().dtype(at::kShort));
+  at::Tensor x_scale = at::empty({nb}, x.options().dtype(at::kFloat));
+  dejavu_q8_sparse_mlp(fp32_values(x, x_buffer), nb, d, d_out, q_a.data_ptr<int8_t>(), s_a.data_ptr<float>(),
+                       q_b.has_value() ? q_b->data_ptr<int8_t>() : nullptr,
+                       s_b.has_value() ? s_b->data_ptr<float>() : nullptr, group, q_down_t.data_ptr<int8_t>(),
+                       s_down_t.data_ptr<float>(), down_group, pa, pb, pd, ids, k, row_stride, act, out.data,
+                       scratch.data_ptr<float>(), values.data_ptr<float>(), x_int16.data_ptr<int16_t>(),
+                       x_scale.data_ptr<float>(), threads);
   return out.rounded();
 }
 
@@ -458,6 +532,9 @@ TORCH_LIBRARY_FRAGMENT(dejavu, m) {
   m.def("cpu_linear(Tensor x, Tensor w, Tensor? b=None) -> Tensor");
   m.def("cpu_screened_linear(Tensor x, Tensor w, Tensor w_int8, Tensor scale, int k, Tensor? b=None) -> Tensor");
   m.def("cpu_q8_linear(Tensor x, Tensor q, Tensor scales, Tensor? b=None) -> Tensor");
+  m.def("cpu_q8_sparse_mlp(Tensor x, Tensor q_a, Tensor s_a, Tensor? q_b, Tensor? s_b, Tensor q_down_t, "
+        "Tensor s_down_t, Tensor idx, str activation, Tensor? b_a=None, Tensor? b_b=None, Tensor? b_down=None) "
+        "-> Tensor");
   m.def("cpu_decode_attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, float? scale=None) -> Tensor");
 }
 
@@ -468,5 +545,6 @@ TORCH_LIBRARY_IMPL(dejavu, CPU, m) {
   m.impl("cpu_linear", &cpu_linear);
   m.impl("cpu_screened_linear", &cpu_screened_linear);
   m.impl("cpu_q8_linear", &cpu_q8_linear);
+  m.impl("cpu_q8_sparse_mlp", &cpu_q8_sparse_mlp);
   m.impl("cpu_decode_attention", &cpu_decode_attention);
 }

@@ -62,6 +62,7 @@ typedef __m512 vec_t;
 #define vset1(s) _mm512_set1_ps(s)
 #define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define vadd(a, b) _mm512_add_ps(a, b)
+#define vmul(a, b) _mm512_mul_ps(a, b)
 static inline float vsum(vec_t v) { return _mm512_reduce_add_ps(v); }
 #define vload_bf16(p) \
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
@@ -75,6 +76,7 @@ typedef __m256 vec_t;
 #define vset1(s) _mm256_set1_ps(s)
 #define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define vadd(a, b) _mm256_add_ps(a, b)
+#define vmul(a, b) _mm256_mul_ps(a, b)
 #define vload_bf16(p) \
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define vload_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
@@ -550,6 +552,123 @@ void dejavu_q8_linear(const float *x, int64_t nb, int64_t d, const int8_t *w, in
     for (int64_t r = 0; r < n; r++)
         for (int64_t b = 0; b < nb; b++)
             out[b * n + r] = inv[b] * dot_q8_groups(w + r * d, xq + b * d, scales + r * groups, d, group) + (bias ? bias[r] : 0.0f);
+}
+
+/* acc[i] += sum_u v[u] * s_u[i / group] * q_u[i] for the n_rows (1-4) int8 rows q_u with per-group
+   scales s_u: rows of a transposed down weight in quantize_weights' format, widened to fp32 as they
+   load (8 or 16 at a time), several rows per pass over acc as in DEJAVU_AXPY4. group: a multiple of
+   32, so a group is whole vectors. */
+#if defined(DEJAVU_VEC)
+#if defined(__AVX512F__)
+#define vload_q8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#else
+#define vload_q8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#endif
+#endif
+static inline void axpy_q8_rows(float *restrict acc, const float *v, const int8_t *const *q, const float *const *s,
+                                int n_rows, int64_t n, int64_t group) {
+    for (int64_t g0 = 0, g = 0; g0 < n; g0 += group, g++) {
+        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int u = 0; u < n_rows; u++) c[u] = v[u] * s[u][g];
+#if defined(DEJAVU_VEC)
+        if (n_rows == 4) {
+            const vec_t c0 = vset1(c[0]), c1 = vset1(c[1]), c2 = vset1(c[2]), c3 = vset1(c[3]);
+            for (int64_t i = g0; i < g0 + group; i += DEJAVU_VEC) {
+                vec_t a = vfma(c0, vload_q8(q[0] + i), vload(acc + i)), b = vmul(c1, vload_q8(q[1] + i));
+                a = vfma(c2, vload_q8(q[2] + i), a);
+                b = vfma(c3, vload_q8(q[3] + i), b);
+                vstore(acc + i, vadd(a, b));
+            }
+            continue;
+        }
+        for (int u = 0; u < n_rows; u++) {
+            const vec_t cu = vset1(c[u]);
+            for (int64_t i = g0; i < g0 + group; i += DEJAVU_VEC) vstore(acc + i, vfma(cu, vload_q8(q[u] + i), vload(acc + i)));
+        }
+#else
+        for (int u = 0; u < n_rows; u++)
+            for (int64_t i = g0; i < g0 + group; i++) acc[i] += c[u] * (float)q[u][i];
+#endif
+    }
+}
+
+/* The neuron-sparse MLP over int8 weights with per-group scales (quantize_weights' format):
+   out[b] = sum_j act(g_r) * u_r * deq(down_t[r]) + b_down, r = idx[b * idx_row_stride + j], j < k,
+   with g_r = inv_b * dot_q8_groups(q_a[r], xq_b) + b_a[r] and u_r likewise from q_b: the expression
+   dejavu_q8_linear computes, so a kept neuron's gate and up values are those of the dense int8
+   projections, to the bit. q_a, q_b: (n, d) int8 rows d apart with scales (n, d / group) (q_b NULL:
+   plain MLP, h = act(g_r)); q_down_t: (n, d_out) int8, the down weight transposed and quantized
+   along d_out, scales (n, d_out / down_group). x (nb, d) contiguous fp32, quantized to int16 per row
+   into xq / inv (nb * d int16, nb floats); scratch: n_threads * nb * d_out floats; values: nb * k
+   floats (the kept neurons' act(g) * u); out (nb, d_out).
+   Threads split the kept neurons and sum their accumulators at the end, as in dejavu_sparse_mlp;
+   the software prefetch also fetches each row's scales (a second stream per row). */
+void dejavu_q8_sparse_mlp(const float *x, int64_t nb, int64_t d, int64_t d_out,
+                          const int8_t *q_a, const float *s_a, const int8_t *q_b, const float *s_b, int64_t group,
+                          const int8_t *q_down_t, const float *s_down, int64_t down_group,
+                          const float *b_a, const float *b_b, const float *b_down,
+                          const int64_t *idx, int64_t k, int64_t idx_row_stride, int activation,
+                          float *out, float *scratch, float *values, int16_t *xq, float *inv, int n_threads) {
+    for (int64_t b = 0; b < nb; b++) inv[b] = quantize_x_bits(x + b * d, d, 15, xq + b * d);
+    const int64_t ahead = dejavu_tuning.mlp_prefetch_rows, bytes = dejavu_tuning.mlp_prefetch_bytes;
+    const int64_t groups = d / group, down_groups = d_out / down_group;
+    const int shared = idx_row_stride == 0;
+    const int64_t passes = shared ? 1 : nb, rows_per_pass = shared ? nb : 1;
+    for (int64_t p = 0; p < passes; p++) {
+        const int64_t *ids = idx + p * idx_row_stride;
+#pragma omp parallel num_threads(n_threads)
+        {
+            const int t = omp_get_thread_num(), n_t = omp_get_num_threads();
+            const int64_t lo = k * t / n_t, hi = k * (t + 1) / n_t;
+            float *acc = scratch + (int64_t)t * rows_per_pass * d_out;
+            memset(acc, 0, sizeof(float) * rows_per_pass * d_out);
+            /* the kept neurons' values first (their gate and up rows), then their down rows, four
+               per pass over the accumulator */
+            float *h = values + lo * rows_per_pass;
+            for (int64_t j = lo; j < hi; j++) {
+                if (bytes > 0 && j + ahead < hi) {  /* a row's scales are a second stream: fetched whole */
+                    const int64_t r = ids[j + ahead];
+                    prefetch(q_a + r * d, d, bytes);
+                    prefetch(s_a + r * groups, groups * 4, groups * 4);
+                    if (q_b) {
+                        prefetch(q_b + r * d, d, bytes);
+                        prefetch(s_b + r * groups, groups * 4, groups * 4);
+                    }
+                }
+                const int64_t r = ids[j];
+                for (int64_t b = 0; b < rows_per_pass; b++) {
+                    const int64_t row = p * rows_per_pass + b;  /* the row of x */
+                    float v = activate(inv[row] * dot_q8_groups(q_a + r * d, xq + row * d, s_a + r * groups, d, group) +
+                                           (b_a ? b_a[r] : 0.0f), activation);
+                    if (q_b)
+                        v *= inv[row] * dot_q8_groups(q_b + r * d, xq + row * d, s_b + r * groups, d, group) +
+                             (b_b ? b_b[r] : 0.0f);
+                    h[(j - lo) * rows_per_pass + b] = v;
+                }
+            }
+            for (int64_t j = lo; j < hi; j += 4) {
+                const int n_rows = hi - j < 4 ? (int)(hi - j) : 4;
+                for (int u = 0; u < n_rows && bytes > 0; u++)
+                    if (j + u + ahead < hi) {
+                        prefetch(q_down_t + ids[j + u + ahead] * d_out, d_out, bytes);
+                        prefetch(s_down + ids[j + u + ahead] * down_groups, down_groups * 4, down_groups * 4);
+                    }
+                const int8_t *down[4];
+                const float *down_scales[4];
+                for (int u = 0; u < n_rows; u++) {
+                    down[u] = q_down_t + ids[j + u] * d_out;
+                    down_scales[u] = s_down + ids[j + u] * down_groups;
+                }
+                for (int64_t b = 0; b < rows_per_pass; b++) {
+                    float v[4];
+                    for (int u = 0; u < n_rows; u++) v[u] = h[(j - lo + u) * rows_per_pass + b];
+                    axpy_q8_rows(acc + b * d_out, v, down, down_scales, n_rows, d_out, down_group);
+                }
+            }
+#pragma omp barrier
+            sum_partials(scratch, rows_per_pass * d_out, b_down, d_out, out + p * d_out, t, n_t);
+        }
+    }
 }
 
 /* out[b] = sum_j h[b * h_stride + r] * table[r] + bias, r = idx[b * k + j] for j < k: the down
