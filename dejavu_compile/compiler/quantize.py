@@ -4,10 +4,11 @@ Each ``nn.Linear`` becomes an :class:`Int8Linear` holding its weight as int8 val
 scale per ``group_size`` weights of a row (symmetric, round to nearest: ``q = round(w / s)``,
 ``s = max|w| / 127`` over the group; llama.cpp's Q8_0 is the same scheme with fp16 scales). The
 float weight is dropped, so resident memory falls to about a quarter of fp32's (half of bf16's),
-and every call, decode and prefill, runs the C++ op ``dejavu::cpu_q8_linear``: x quantized to int16
-per row, integer products summed per group, groups scaled and summed in fp32, the result in x's
-dtype. The op is a graph node like any other, so ``torch.compile`` (the dejavu backend or
-Inductor) calls it straight from the compiled step.
+and every call, decode and prefill, runs the C++ op ``dejavu::cpu_q8_linear``: at decode x quantized
+to int16 per row, integer products summed per group, groups scaled and summed in fp32; a prompt's
+many rows against fp32 blocks of the weight through torch's GEMM; the result in x's dtype. The op
+is a graph node like any other, so ``torch.compile`` (the dejavu backend or Inductor) calls it
+straight from the compiled step.
 
 Inference only (the op has no backward); CPU only. The model's ``state_dict`` then holds each
 projection's ``qweight`` and ``scales`` in place of its ``weight``: quantize after loading a

@@ -14,8 +14,9 @@
 //       stored (nn.Linear's rows, or the transposed storage prepare_model gives down and output
 //       projections); more than kMaxGemvRows rows of x, or other dtypes, go to at::linear.
 //   cpu_q8_linear(x, q, scales, b?) -> (..., n)
-//       a projection whose weight is int8 with per-group scales (quantize_weights' format): any
-//       number of rows (decode and prefill), x quantized to int16 per row, sums in fp32;
+//       a projection whose weight is int8 with per-group scales (quantize_weights' format): a few
+//       rows of x (decode) quantized to int16 per row, integer products per group, sums in fp32;
+//       many rows (prefill) against blocks of the weight widened to fp32, through at::mm;
 //   cpu_q8_sparse_mlp(x, q_a, s_a, q_b?, s_b?, q_down_t, s_down_t, idx, activation, b_a?, b_b?, b_down?)
 //       the neuron-sparse MLP over int8 weights in that format: the kept neurons' gate and up rows
 //       (the dense projections' own values, to the bit) and their rows of the down weight stored
@@ -39,6 +40,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <torch/library.h>
 
@@ -360,6 +362,33 @@ int64_t q8_group(const at::Tensor& q, const at::Tensor& scales, const char* what
   return group;
 }
 
+// From this many rows of x (a prefill) cpu_q8_linear multiplies in fp32 blocks: kQ8GemmBlock weight rows
+// at a time are widened to fp32 and multiplied by all of x with at::mm (a tiled GEMM). The row-at-a-time
+// integer kernel re-reads x for every weight row; at 512 rows it ran SmolLM2's prefill at under half
+// the fp32 model's rate (benchmarks/prefill.py). The block buffer is a few MB, the result the same
+// products summed in fp32 (x is not rounded to int16 here).
+constexpr int64_t kQ8GemmRows = 32, kQ8GemmBlock = 256;
+
+at::Tensor q8_linear_blocked(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t group,
+                             const std::optional<at::Tensor>& b, at::ScalarType dtype) {
+  const int64_t n = q.size(0), d = q.size(1);
+  const at::Tensor x2d = x.reshape({-1, d}).to(at::kFloat);
+  at::Tensor out = at::empty({x2d.size(0), n}, x2d.options());
+  at::Tensor block = at::empty({std::min(n, kQ8GemmBlock), d}, x2d.options());
+  for (int64_t r0 = 0; r0 < n; r0 += kQ8GemmBlock) {
+    const int64_t rows = std::min(kQ8GemmBlock, n - r0);
+    dejavu_q8_dequantize_rows(q.data_ptr<int8_t>(), scales.data_ptr<float>(), d, group, r0, rows,
+                              block.data_ptr<float>(), at::get_num_threads());
+    out.narrow(1, r0, rows).copy_(at::mm(x2d, block.narrow(0, 0, rows).t()));
+  }
+  if (b.has_value()) {
+    check_cpu(*b, "b", dtype);
+    TORCH_CHECK(b->dim() == 1 && b->size(0) == n, "b must be (", n, "), got ", b->sizes());
+    out.add_(b->to(at::kFloat));
+  }
+  return out.to(dtype);
+}
+
 at::Tensor cpu_q8_linear(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales,
                          const std::optional<at::Tensor>& b) {
   const int64_t group = q8_group(q, scales, "cpu_q8_linear");
@@ -372,6 +401,7 @@ at::Tensor cpu_q8_linear(const at::Tensor& x_in, const at::Tensor& q, const at::
   const int64_t rows = x.numel() / d;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
+  if (rows >= kQ8GemmRows && n > 0) return q8_linear_blocked(x, q, scales, group, b, dtype).reshape(shape);
   KernelOutput out(shape, dtype, out_buffer);
   if (rows == 0 || n == 0) return out.result;
   at::Tensor x_int16 = at::empty({rows, d}, x.options().dtype(at::kShort));

@@ -554,6 +554,21 @@ void dejavu_q8_linear(const float *x, int64_t nb, int64_t d, const int8_t *w, in
             out[b * n + r] = inv[b] * dot_q8_groups(w + r * d, xq + b * d, scales + r * groups, d, group) + (bias ? bias[r] : 0.0f);
 }
 
+/* out[r - r0] = the fp32 values of int8 rows r0 .. r0 + n_rows - 1 (q rows d apart, scales (n, d / group)):
+   the weight a prefill multiplies in blocks (cpu_q8_linear with many rows of x). */
+void dejavu_q8_dequantize_rows(const int8_t *q, const float *scales, int64_t d, int64_t group, int64_t r0,
+                               int64_t n_rows, float *out, int n_threads) {
+    const int64_t groups = d / group;
+#pragma omp parallel for num_threads(n_threads) schedule(static)
+    for (int64_t r = r0; r < r0 + n_rows; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float s = scales[r * groups + g];
+            const int8_t *src = q + r * d + g * group;
+            float *dst = out + (r - r0) * d + g * group;
+            for (int64_t i = 0; i < group; i++) dst[i] = s * (float)src[i];
+        }
+}
+
 /* acc[i] += sum_u v[u] * s_u[i / group] * q_u[i] for the n_rows (1-4) int8 rows q_u with per-group
    scales s_u: rows of a transposed down weight in quantize_weights' format, widened to fp32 as they
    load (8 or 16 at a time), several rows per pass over acc as in DEJAVU_AXPY4. group: a multiple of
