@@ -20,25 +20,11 @@ import torch
 import torch.fx as fx
 
 from dejavu_compile.compiler.passes.dense_linear import KERNEL_DTYPES, decode_lowering_off
-from dejavu_compile.compiler.passes.graph_utils import example_value
+from dejavu_compile.compiler.passes.graph_utils import example_value, sdpa_arguments
 from dejavu_compile.compiler.passes.lowering import dense_kernel
-from dejavu_compile.compiler.passes.match_attention import SDPA
 
-# SDPA's arguments in order (torch.nn.functional.scaled_dot_product_attention)
-SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 # Query rows per (batch, head) up to which the kernel runs (kMaxAttentionRows in cpu_ops.cpp).
 MAX_QUERY_ROWS = 16
-
-
-def sdpa_arguments(node: fx.Node) -> dict | None:
-    """The arguments of an SDPA call by name (defaults filled in), or None for another node."""
-    if node.op != "call_function" or node.target not in SDPA:
-        return None
-    args = dict(SDPA_DEFAULTS)
-    args.update(zip(SDPA_ARGS, node.args))
-    args.update(node.kwargs)
-    return args
 
 
 def _static_shape(t) -> bool:

@@ -16,6 +16,22 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 LINEAR_TARGETS = {torch._C._nn.linear, F.linear}
+# scaled_dot_product_attention as traced, its arguments in order, and their defaults
+SDPA = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
+SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+
+def sdpa_arguments(node: fx.Node) -> dict | None:
+    """The arguments of an SDPA call by name (positional or keywords, defaults filled in), or None
+    for another node."""
+    if node.op != "call_function" or node.target not in SDPA:
+        return None
+    args = dict(SDPA_DEFAULTS)
+    args.update(zip(SDPA_ARGS, node.args))
+    args.update(node.kwargs)
+    return args
+
 
 # Ops that keep every element independent of the others (so a neuron's value depends on that
 # neuron's pre-activations only). Used for the region between up/gate and down projections.

@@ -7,7 +7,7 @@ import warnings
 import torch
 import torch.fx as fx
 
-from dejavu_compile.compiler.passes.graph_utils import param_name
+from dejavu_compile.compiler.passes.graph_utils import param_name, sdpa_arguments
 from dejavu_compile.compiler.passes.plan_check import check_plan_against_blocks
 
 
@@ -18,9 +18,9 @@ def training_reason(gm: fx.GraphModule, example_inputs) -> str | None:
             training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
             if training:
                 return "the model is in training mode (dropout active)"
-        if node.op == "call_function" and getattr(node.target, "__name__", "") == "scaled_dot_product_attention":
-            # HF attention passes its dropout into SDPA (dropout_p, the fifth argument) in train mode
-            dropout_p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+        sdpa = sdpa_arguments(node)
+        if sdpa is not None:  # HF attention passes its dropout into SDPA in train mode
+            dropout_p = sdpa["dropout_p"]
             if not isinstance(dropout_p, (int, float)) or dropout_p > 0:
                 return f"the model is in training mode (attention dropout {dropout_p} in scaled_dot_product_attention)"
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

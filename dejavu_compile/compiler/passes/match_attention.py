@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from dejavu_compile.compiler.blocks import AttentionBlock, AttentionNodes
 from dejavu_compile.compiler.passes.graph_utils import (
+    SDPA,
     LinearCall,
     common_module,
     evaluate,
@@ -28,7 +29,6 @@ from dejavu_compile.compiler.passes.graph_utils import (
     shape_of,
 )
 
-SDPA = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
 MATMUL = {torch.matmul, operator.matmul, torch.bmm}
 SOFTMAX_F = {F.softmax, torch.softmax}
 _PASS_THROUGH = {F.dropout, torch.nn.functional.dropout}

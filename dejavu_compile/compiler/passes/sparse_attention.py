@@ -35,16 +35,8 @@ from dejavu_compile.compiler.passes.graph_build import (
     transposed_weight,
     value_device,
 )
-from dejavu_compile.compiler.passes.graph_utils import shape_of
+from dejavu_compile.compiler.passes.graph_utils import sdpa_arguments, shape_of
 from dejavu_compile.compiler.passes.selection import insert_selection
-
-
-def _core_args(core: fx.Node) -> dict:
-    """SDPA's arguments by name (they may be positional or keywords)."""
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    bound = dict(zip(names, core.args))
-    bound.update(core.kwargs)
-    return bound
 
 
 def dense_reason(block: AttentionBlock) -> str | None:
@@ -52,7 +44,7 @@ def dense_reason(block: AttentionBlock) -> str | None:
     if block.attention != "sdpa":
         return (f"head-sparse attention needs scaled_dot_product_attention (this block runs {block.attention} "
                 "attention): dense")
-    args = _core_args(block.nodes.core)
+    args = sdpa_arguments(block.nodes.core)
     key_heads, H = shape_of(args["key"])[1], block.num_heads
     if key_heads not in (H, block.num_kv_heads) or H % key_heads:
         return f"attention reads {key_heads} key heads for {H} query heads: dense"
@@ -66,7 +58,7 @@ def dense_reason(block: AttentionBlock) -> str | None:
 def dense_query_reason(block: AttentionBlock) -> str | None:
     """None when the query projection's output feeds only the attention's query (so only the selected
     heads' rows need computing), else why the lowering keeps the query projection dense."""
-    q = _core_args(block.nodes.core)["query"]
+    q = sdpa_arguments(block.nodes.core)["query"]
     if block.q.rows is not None:
         return "query projection fused with key/value"
     if block.qk_norm == "across_heads":
@@ -135,7 +127,7 @@ def _attend_selected_heads(graph, block: AttentionBlock, idx, k) -> tuple[fx.Nod
     """SDPA over the selected query heads and the KV heads they read (MHA, GQA, MQA).
     Returns (head ids (B, k, 1, 1), attention output (B, k, 1, D))."""
     core = block.nodes.core
-    args = _core_args(core)
+    args = sdpa_arguments(core)
     H = block.num_heads
     key_heads = shape_of(args["key"])[1]
     mask = args.get("attn_mask")
