@@ -369,8 +369,9 @@ int64_t q8_group(const at::Tensor& q, const at::Tensor& scales, const char* what
 // products summed in fp32 (x is not rounded to int16 here).
 constexpr int64_t kQ8GemmRows = 32, kQ8GemmBlock = 256;
 
+// bias: cpu_q8_linear's checked fp32 bias (bias_ptr's `keep`), undefined when there is none.
 at::Tensor q8_linear_blocked(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t group,
-                             const std::optional<at::Tensor>& b, at::ScalarType dtype) {
+                             const at::Tensor& bias, at::ScalarType dtype) {
   const int64_t n = q.size(0), d = q.size(1);
   const at::Tensor x2d = x.reshape({-1, d}).to(at::kFloat);
   at::Tensor out = at::empty({x2d.size(0), n}, x2d.options());
@@ -381,11 +382,7 @@ at::Tensor q8_linear_blocked(const at::Tensor& x, const at::Tensor& q, const at:
                               block.data_ptr<float>(), at::get_num_threads());
     out.narrow(1, r0, rows).copy_(at::mm(x2d, block.narrow(0, 0, rows).t()));
   }
-  if (b.has_value()) {
-    check_cpu(*b, "b", dtype);
-    TORCH_CHECK(b->dim() == 1 && b->size(0) == n, "b must be (", n, "), got ", b->sizes());
-    out.add_(b->to(at::kFloat));
-  }
+  if (bias.defined()) out.add_(bias);
   return out.to(dtype);
 }
 
@@ -401,7 +398,7 @@ at::Tensor cpu_q8_linear(const at::Tensor& x_in, const at::Tensor& q, const at::
   const int64_t rows = x.numel() / d;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
-  if (rows >= kQ8GemmRows && n > 0) return q8_linear_blocked(x, q, scales, group, b, dtype).reshape(shape);
+  if (rows >= kQ8GemmRows && n > 0) return q8_linear_blocked(x, q, scales, group, keep_b, dtype).reshape(shape);
   KernelOutput out(shape, dtype, out_buffer);
   if (rows == 0 || n == 0) return out.result;
   at::Tensor x_int16 = at::empty({rows, d}, x.options().dtype(at::kShort));
