@@ -180,7 +180,7 @@ def bench_q8_mlp(shape, reps, densities, timer):
     the three projections through the backend's int8 GEMV (dejavu::cpu_q8_linear, what a quantized
     model runs), sparse = dejavu::cpu_q8_sparse_mlp over the same gate and up rows and the down
     weight stored transposed (quantized along d_out). Bytes: the int8 values and their scales."""
-    from dejavu_compile.compiler.quantize import quantize_rows_grouped
+    from dejavu_compile.compiler.quantize import dequantize_rows_grouped, quantize_rows_grouped
 
     d, ff, group = shape["d"], shape["ff"], 32
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -199,12 +199,8 @@ def bench_q8_mlp(shape, reps, densities, timer):
         p = layers[i]
         return lin(F.silu(lin(x, *p["gate"], None)) * lin(x, *p["up"], None), *p["down"], None)
 
-    def dequantized(q_scales):
-        q, scales = q_scales
-        return (q.float().reshape(q.shape[0], -1, group) * scales[..., None]).reshape(q.shape)
-
     p0 = layers[0]
-    h0 = F.silu(x @ dequantized(p0["gate"]).T) * (x @ dequantized(p0["up"]).T)
+    h0 = F.silu(x @ dequantize_rows_grouped(*p0["gate"]).T) * (x @ dequantize_rows_grouped(*p0["up"]).T)
     rows = []
     for dens in densities:
         k = max(1, round(dens * ff))
@@ -217,7 +213,7 @@ def bench_q8_mlp(shape, reps, densities, timer):
             return sparse_op(x, *p["gate"], *p["up"], *p["down_t"], pool[calls[0] % POOL], "silu")
 
         row = summarize("gated_mlp/q8", k, ff, *interleaved(timer, dense, sparse, reps, len(layers)))
-        ref = h0[:, pool[0]] @ dequantized(p0["down_t"])[pool[0]]
+        ref = h0[:, pool[0]] @ dequantize_rows_grouped(*p0["down_t"])[pool[0]]
         out = sparse_op(x, *p0["gate"], *p0["up"], *p0["down_t"], pool[0], "silu")
         row["rel_err"] = ((out - ref).abs().max() / ref.abs().max()).item()
         dense_gbps = layer_bytes / row["dense_ms"] / 1e6

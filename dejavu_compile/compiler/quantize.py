@@ -42,6 +42,12 @@ def quantize_rows_grouped(weight: Tensor, group_size: int) -> tuple[Tensor, Tens
     return q.reshape(n, d).contiguous(), scales.contiguous()
 
 
+def dequantize_rows_grouped(q: Tensor, scales: Tensor) -> Tensor:
+    """The fp32 rows that quantize_rows_grouped's int8 values and scales stand for, (n, d)."""
+    n, d = q.shape
+    return (q.float().reshape(n, scales.shape[1], -1) * scales[..., None]).reshape(n, d)
+
+
 class Int8Linear(nn.Module):
     """An ``nn.Linear`` whose weight is int8 with per-group fp32 scales (buffers ``qweight`` and
     ``scales``); the bias stays in the model's dtype."""
@@ -59,8 +65,7 @@ class Int8Linear(nn.Module):
 
     def dequantized(self) -> Tensor:
         """The fp32 weight the int8 values and scales stand for, (out_features, in_features)."""
-        groups = self.qweight.float().reshape(self.out_features, -1, self.group_size)
-        return (groups * self.scales[..., None]).reshape(self.out_features, self.in_features)
+        return dequantize_rows_grouped(self.qweight, self.scales)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
