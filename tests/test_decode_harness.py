@@ -1,5 +1,6 @@
 """The decode-timing harness every benchmark uses: variants interleaved, the warm-up's tokens kept,
-shared compiled forwards, outside runtimes, and a compiled variant that compiled nothing refused."""
+shared compiled forwards, variants with their own model, outside runtimes, and a compiled variant
+that compiled nothing refused."""
 from __future__ import annotations
 
 import pytest
@@ -48,6 +49,24 @@ def test_every_variant_decodes_the_same_tokens_and_shares_what_it_is_given(model
     assert all(len(row["runs"]) == 2 and row["tokens_per_s"] > 0 for row in speed.values())
     assert speed["compiled"]["graphs"] >= 1 and speed["eager"]["graphs"] == 0
     assert model.forward.__func__ is type(model).forward  # the model's own forward is back
+
+
+def test_a_variant_decodes_its_own_model_with_its_own_compiled_forward(model):
+    other = tiny_model("llama", layers=2, seed=1)  # another depth, so graphs of its own; other tokens
+    other.generation_config.eos_token_id = None
+    ids = token_ids(tokens=4)
+    with torch.no_grad():
+        want, want_other = greedy_decode(model, ids, 5), greedy_decode(other, ids, 5)
+    assert not torch.equal(want, want_other)
+    compiled = compiled_forward("eager")  # one wrap for both models: each gets its own compiled forward
+    variants = [Variant("compiled", compiled), Variant("other, compiled", compiled, model=other),
+                Variant("other, eager", model=other)]
+    speed = measure_decode(model, ids, variants, new_tokens=5, repeats=1, progress=False)
+    assert torch.equal(variants[0].outputs, want)
+    assert torch.equal(variants[1].outputs, want_other) and torch.equal(variants[2].outputs, want_other)
+    assert speed["other, compiled"]["graphs"] >= 1 and speed["other, eager"]["graphs"] == 0
+    for m in (model, other):
+        assert m.forward.__func__ is type(m).forward
 
 
 def test_a_compiled_variant_that_compiles_nothing_is_refused(model):

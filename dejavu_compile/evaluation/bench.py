@@ -33,7 +33,10 @@ class Variant:
     gives the greedy loops' static cache that many slots (a cache allocated once for longer
     sequences; default: prompt + new tokens). ``run`` instead decodes with an outside runtime:
     ``run(n)`` returns its n new tokens (ids or text). ``compiled`` (default: a ``wrap`` is given)
-    says whether the warm-up must compile graphs."""
+    says whether the warm-up must compile graphs. ``model`` is the model this variant decodes
+    (default: the one given to ``measure_decode``), for the same weights in another format; its
+    compiled forward must compile graphs of its own (a model of the same class, dtype and shapes
+    reuses another's graphs, compiles nothing, and is refused)."""
 
     name: str
     wrap: Callable | None = None
@@ -41,6 +44,7 @@ class Variant:
     run: Callable[[int], object] | None = None
     compiled: bool | None = None
     max_cache_len: int | None = None
+    model: torch.nn.Module | None = None
     forward: Callable | None = None
     times: dict[int, list[float]] = field(default_factory=dict)
     outputs: torch.Tensor | None = None  # the warm-up's whole sequence (prompt + new tokens), or run's result
@@ -95,12 +99,14 @@ def measure_decode(model, ids: torch.Tensor, variants: list[Variant], new_tokens
     variant's ``outputs`` holds its warm-up tokens."""
     if new_tokens < 2:
         raise ValueError("decode speed needs new_tokens >= 2 (one new token is the prefill alone)")
-    original = model.forward
+    models = {id(m): m for m in [model, *(v.model for v in variants if v.model is not None)]}
+    originals = {key: m.forward for key, m in models.items()}
     raise_recompile_limits(len(variants))
     forwards, first_of_forward = {}, set()
     for v in variants:
         if v.run is None:
-            key = id(v.wrap) if v.wrap is not None else None
+            original = originals[id(v.model if v.model is not None else model)]
+            key = (id(original), id(v.wrap) if v.wrap is not None else None)
             if key not in forwards:
                 forwards[key] = v.wrap(original) if v.wrap is not None else original
                 first_of_forward.add(v.name)
@@ -119,15 +125,16 @@ def measure_decode(model, ids: torch.Tensor, variants: list[Variant], new_tokens
             if rep == 1 and variant is variants[0] and n == 1:  # the warm-up is over
                 _check_compiled(variants, graphs, first_of_forward)
                 config.error_on_recompile = True
+            target = variant.model if variant.model is not None else model
             if variant.forward is not None:
-                model.forward = variant.forward
+                target.forward = variant.forward
             if pause_s:
                 time.sleep(pause_s)
             before = _compiled_graphs()
             start = time.perf_counter()
-            out = _decode(model, ids, variant, n)
+            out = _decode(target, ids, variant, n)
             elapsed = time.perf_counter() - start
-            model.forward = original
+            target.forward = originals[id(target)]
             if rep == 0:  # warm-up: compiles every graph this variant needs
                 graphs[variant.name] = graphs.get(variant.name, 0) + _compiled_graphs() - before
                 if n == new_tokens:
@@ -135,7 +142,8 @@ def measure_decode(model, ids: torch.Tensor, variants: list[Variant], new_tokens
                 continue
             variant.times[n].append(elapsed)
     finally:
-        model.forward = original
+        for key, m in models.items():
+            m.forward = originals[key]
         config.error_on_recompile = guard
     results = {}
     for v in variants:
