@@ -78,7 +78,9 @@ def llama_cpp_models(threads: int, formats=("F32", "Q8_0")) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     models = {}
     ftypes = {"F32": llama_cpp.LLAMA_FTYPE_ALL_F32, "BF16": llama_cpp.LLAMA_FTYPE_MOSTLY_BF16,
-              "F16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16, "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
+              "F16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16, "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
+              "Q6_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K, "Q4_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M,
+              "Q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0}
     for name in formats:
         ftype = ftypes[name]
         path = folder / f"smollm2-135m-instruct-{name}.gguf"

@@ -1,0 +1,184 @@
+"""The speed-quality frontier of CPU decode: SmolLM2-135M tokens/s against held-out perplexity, dejavu
+at each of its weight formats beside llama.cpp at its formats of the same weights, in one process.
+
+    python benchmarks/frontier.py     # benchmarks/results/frontier.json and frontier.png
+    python benchmarks/frontier.py --new-tokens 48 --repeats 5 --threads 2 --eval-tokens 2048
+
+dejavu: the model in fp32, in bf16 (``model.to(torch.bfloat16)``) and in int8
+(``quantize_weights(model, "int8")`` over fp32), each exact (the backend with no plan), and fp32 and
+bf16 under the default plan (the plan ``dejavu-compile demo`` uses; sparse plans do not yet reach
+int8 blocks). llama.cpp (``pip install -e .[peers]``, which builds it from source): the bundled
+GGUF, whose values the torch model loads, requantized to F32, BF16, Q8_0, Q6_K, Q4_K_M and Q4_0.
+
+Speed: every variant through ``generate()`` (a static cache for the torch models, llama-cpp-python's
+own loop for llama.cpp), batch 1, greedy, the same prompt, rounds interleaved, medians
+(``evaluation.bench.measure_decode``). Quality: perplexity on the same held-out token ids (the
+bundled Wikipedia evaluation split and news texts, pooled), dejavu's computed by
+``evaluation.perplexity`` (the default plan's by the backend's masked simulation), llama.cpp's by
+llama.cpp itself with every position's logits; each also as its increase over the fp32 dense
+model's. For each llama.cpp point the table names dejavu's fastest point at no worse perplexity.
+The plot draws tokens/s against the perplexity increase with each runtime's frontier (the points
+that no faster point of the same runtime beats on perplexity).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import pathlib
+import sys
+
+import torch
+from peers import llama_cpp_models, llama_cpp_perplexity, llama_cpp_run  # beside this script
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+LLAMA_CPP_FORMATS = ("F32", "BF16", "Q8_0", "Q6_K", "Q4_K_M", "Q4_0")
+
+
+def dejavu_models(model) -> dict:
+    """{format: model}: the fp32 model itself, a bf16 copy and an int8 copy (weights stored as int8)."""
+    from dejavu_compile.compiler.prepare import prepare_model
+    from dejavu_compile.compiler.quantize import quantize_weights
+
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    int8 = copy.deepcopy(model)
+    print(quantize_weights(int8, "int8"))
+    models = {"fp32": model, "bf16": bf16, "int8": int8}
+    for m in models.values():
+        prepare_model(m)
+    return models
+
+
+def resident_bytes(model) -> int:
+    tensors = {t.untyped_storage().data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.untyped_storage().nbytes() for t in tensors.values())
+
+
+def frontier(points: list[dict]) -> list[dict]:
+    """The points that no faster point beats on perplexity, fastest first."""
+    best, front = float("inf"), []
+    for p in sorted(points, key=lambda p: -p["tokens_per_s"]):
+        if p["perplexity"] < best:
+            best = p["perplexity"]
+            front.append(p)
+    return front
+
+
+def against_llama_cpp(points: list[dict]) -> list[dict]:
+    """For each llama.cpp point, dejavu's fastest point whose perplexity is no worse."""
+    rows = []
+    for peer in (p for p in points if p["runtime"] == "llama.cpp"):
+        ours = [p for p in points if p["runtime"] == "dejavu" and p["perplexity"] <= peer["perplexity"]]
+        best = max(ours, key=lambda p: p["tokens_per_s"], default=None)
+        rows.append({"llama.cpp": peer["name"], "dejavu": best and best["name"],
+                     "speed_ratio": best and best["tokens_per_s"] / peer["tokens_per_s"]})
+    return rows
+
+
+def plot(points: list[dict], info: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for runtime, color in (("dejavu", "tab:blue"), ("llama.cpp", "tab:orange")):
+        mine = [p for p in points if p["runtime"] == runtime]
+        ax.scatter([100 * p["increase"] for p in mine], [p["tokens_per_s"] for p in mine], color=color, label=runtime)
+        front = sorted(frontier(mine), key=lambda p: p["increase"])
+        ax.plot([100 * p["increase"] for p in front], [p["tokens_per_s"] for p in front], color=color, alpha=0.6)
+        for p in mine:
+            ax.annotate(p["config"], (100 * p["increase"], p["tokens_per_s"]), fontsize=7,
+                        textcoords="offset points", xytext=(4, 3))
+    ax.set_xscale("symlog", linthresh=1.0)
+    ax.set_xlabel("held-out perplexity increase over the fp32 dense model (%)")
+    ax.set_ylabel("decode tokens/s (generate(), batch 1)")
+    ax.set_title(f"SmolLM2-135M, {info['cpu']}, {info['threads']} threads", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--eval-tokens", type=int, default=2048, help="held-out tokens per text set")
+    ap.add_argument("--out", default=str(RESULTS / "frontier.json"), help="the plot goes beside it (.png)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    from dejavu_compile.assets.data import news_texts, tokenize_chunks, wiki_articles
+    from dejavu_compile.assets.models import load_smollm2
+    from dejavu_compile.cli import BUNDLED, DEMO_PROMPT, _default_plan_dir, load_or_calibrate, machine
+    from dejavu_compile.evaluation.bench import Variant, compiled_forward, cpu_info, measure_decode
+    from dejavu_compile.evaluation.perplexity import perplexity
+    from dejavu_compile.kernels.cpu import native
+
+    cpu = cpu_info()
+    info = {**machine(), "cpu": cpu["cpu"], "isa": cpu["isa"], "avx512_vnni": cpu["avx512_vnni"],
+            "kernel_tuning": native.tuning(), "new_tokens": args.new_tokens, "repeats": args.repeats,
+            "eval_tokens_per_set": args.eval_tokens}
+    print(f"machine: {info}")
+    model, tok = load_smollm2()
+    model.eval()
+    plan_dir = _default_plan_dir(model, BUNDLED)
+    plan = load_or_calibrate(model, tok, plan_dir)
+    models = dejavu_models(model)
+    llamas = llama_cpp_models(args.threads, LLAMA_CPP_FORMATS)
+
+    exact = compiled_forward("dejavu")
+    planned = compiled_forward("dejavu", options={"plan": plan})
+    configs = {}  # variant name -> (format, config, plan or None)
+    variants = []
+    for fmt, m in models.items():
+        for config, wrap, p in (("exact", exact, None), ("default plan", planned, plan)):
+            if p is not None and fmt == "int8":
+                continue
+            name = f"dejavu {fmt} {config}"
+            configs[name] = ("dejavu", fmt, config, p)
+            variants.append(Variant(name, wrap, model=m))
+    for name, llm in llamas.items():
+        configs[name] = ("llama.cpp", name.removeprefix("llama.cpp "), "", None)
+        variants.append(Variant(name, run=lambda n, llm=llm: llama_cpp_run(llm, DEMO_PROMPT, n)))
+    ids = tok(DEMO_PROMPT, return_tensors="pt").input_ids
+    speed = measure_decode(model, ids, variants, new_tokens=args.new_tokens, repeats=args.repeats, pause_s=0.05)
+
+    chunks = [*tokenize_chunks(tok, wiki_articles("eval"), seq_len=256, max_tokens=args.eval_tokens),
+              *tokenize_chunks(tok, news_texts(), seq_len=256, max_tokens=args.eval_tokens)]
+    reference = perplexity(model, chunks, progress=True)
+    points = []
+    for v in variants:
+        runtime, fmt, config, p = configs[v.name]
+        if runtime == "dejavu":
+            ppl = reference if fmt == "fp32" and p is None else perplexity(v.model, chunks, p, progress=True)
+        else:
+            ppl = llama_cpp_perplexity(llamas[v.name], chunks, args.threads)
+        points.append({"name": v.name, "runtime": runtime, "format": fmt,
+                       "config": f"{fmt} {config}".strip(), "tokens_per_s": speed[v.name]["tokens_per_s"],
+                       "runs": speed[v.name]["runs"], "perplexity": ppl, "increase": ppl / reference - 1,
+                       **({"resident_weight_bytes": resident_bytes(v.model)} if runtime == "dejavu" else {})})
+    versus = against_llama_cpp(points)
+    out = pathlib.Path(args.out)
+    result = {"machine": info, "plan": str(plan_dir), "mlp_density": plan.mlp_density,
+              "fp32_dense_perplexity": reference, "eval_tokens": sum(c.numel() for c in chunks),
+              "points": points, "frontier": {r: [p["name"] for p in frontier([q for q in points if q["runtime"] == r])]
+                                             for r in ("dejavu", "llama.cpp")},
+              "against_llama_cpp": versus}
+    print(f"\n{'variant':<30}{'tokens/s':>10}{'perplexity':>12}{'vs fp32':>9}")
+    for p in points:
+        print(f"{p['name']:<30}{p['tokens_per_s']:>10.1f}{p['perplexity']:>12.3f}{p['increase']:>+9.2%}")
+    for row in versus:
+        best = "none" if row["dejavu"] is None else f"{row['dejavu']} at {row['speed_ratio']:.2f}x its tokens/s"
+        print(f"{row['llama.cpp']}: dejavu's fastest point at no worse perplexity: {best}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    plot(points, info, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
