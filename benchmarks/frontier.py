@@ -49,11 +49,6 @@ def dejavu_models(model) -> dict:
     return models
 
 
-def resident_bytes(model) -> int:
-    tensors = {t.untyped_storage().data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
-    return sum(t.untyped_storage().nbytes() for t in tensors.values())
-
-
 def frontier(points: list[dict]) -> list[dict]:
     """The points that no faster point beats on perplexity, fastest first."""
     best, front = float("inf"), []
@@ -113,6 +108,7 @@ def main(argv=None) -> int:
     from dejavu_compile.assets.data import news_texts, tokenize_chunks, wiki_articles
     from dejavu_compile.assets.models import load_smollm2
     from dejavu_compile.cli import BUNDLED, DEMO_PROMPT, _default_plan_dir, load_or_calibrate, machine
+    from dejavu_compile.compiler.quantize import resident_bytes
     from dejavu_compile.evaluation.bench import Variant, compiled_forward, cpu_info, measure_decode
     from dejavu_compile.evaluation.perplexity import perplexity
     from dejavu_compile.kernels.cpu import native

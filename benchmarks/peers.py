@@ -155,6 +155,7 @@ def main(argv=None) -> int:
     from dejavu_compile.assets.models import load_smollm2
     from dejavu_compile.cli import BUNDLED, DEMO_PROMPT, _default_plan_dir, load_or_calibrate, machine
     from dejavu_compile.compiler.prepare import prepare_model
+    from dejavu_compile.compiler.quantize import resident_bytes
     from dejavu_compile.evaluation.bench import Variant, cpu_info, measure_decode
     from dejavu_compile.kernels.cpu import native
 
@@ -176,8 +177,7 @@ def main(argv=None) -> int:
 
         print(quantize_weights(model, "int8"))
         plan = None
-    info["resident_weight_bytes"] = sum(t.untyped_storage().nbytes() for t in {
-        t.untyped_storage().data_ptr(): t for t in [*model.parameters(), *model.buffers()]}.values())
+    info["resident_weight_bytes"] = resident_bytes(model)
     ids = tok(DEMO_PROMPT, return_tensors="pt").input_ids
     llamas = {} if args.no_llama_cpp else llama_cpp_models(args.threads, tuple(dict.fromkeys((reference, "Q8_0"))))
     variants = torch_variants(plan) + [Variant(name, run=lambda n, llm=llm: llama_cpp_run(llm, DEMO_PROMPT, n))

@@ -91,7 +91,8 @@ class QuantizeReport:
         return "\n".join(lines)
 
 
-def _tensor_bytes(model: nn.Module) -> int:
+def resident_bytes(model: nn.Module) -> int:
+    """Bytes held by ``model``'s parameters and buffers, each storage counted once (tied weights share one)."""
     seen, total = set(), 0
     for t in [*model.parameters(), *model.buffers()]:
         storage = t.untyped_storage()
@@ -115,7 +116,7 @@ def quantize_weights(model: nn.Module, format: str = "int8", *, group_size: int 
         raise ValueError(f"quantize_weights runs on CPU models, this one has parameters on {sorted(devices)}")
     if not kernels.cpu_ops_available():
         raise RuntimeError("quantize_weights needs the C++ CPU ops, which did not build (see the warning above)")
-    report = QuantizeReport(format, group_size, bytes_before=_tensor_bytes(model))
+    report = QuantizeReport(format, group_size, bytes_before=resident_bytes(model))
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
@@ -127,5 +128,5 @@ def quantize_weights(model: nn.Module, format: str = "int8", *, group_size: int 
                 report.quantized.append(full)
             elif type(child).__name__ == "Conv1D":
                 report.kept.append((full, "a Conv1D (weights stored (in, out)): not quantized"))
-    report.bytes_after = _tensor_bytes(model)
+    report.bytes_after = resident_bytes(model)
     return report
