@@ -11,7 +11,14 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dejavu_compile.compiler.quantize import GROUP_SIZES, Int8Linear, quantize_rows_grouped, quantize_weights
+from dejavu_compile.compiler.quantize import (
+    GROUP_SIZES,
+    Int8Embedding,
+    Int8Linear,
+    dequantize_rows_grouped,
+    quantize_rows_grouped,
+    quantize_weights,
+)
 from dejavu_compile.kernels.cpu import native
 from dejavu_compile.testing.tiny import tiny_model
 from tests.helpers import token_ids
@@ -104,8 +111,8 @@ def test_cpu_q8_linear_bad_input_and_opcheck():
 
 
 def _dequantized_copy(model):
-    """The quantized model with each Int8Linear replaced by an nn.Linear holding its dequantized
-    weight, in float64: the reference its logits must match."""
+    """The quantized model with each Int8Linear and Int8Embedding replaced by the float module holding
+    its dequantized weight, in float64: the reference its logits must match."""
     reference = copy.deepcopy(model)
     for _, module in list(reference.named_modules()):
         for child_name, child in list(module.named_children()):
@@ -116,22 +123,31 @@ def _dequantized_copy(model):
                     if child.bias is not None:
                         linear.bias.copy_(child.bias)
                 setattr(module, child_name, linear)
+            elif isinstance(child, Int8Embedding):
+                rows = dequantize_rows_grouped(child.qweight, child.scales)
+                setattr(module, child_name, torch.nn.Embedding.from_pretrained(rows))
     return reference.double()
 
 
-@pytest.mark.parametrize("arch", ["llama", "opt"])
-def test_quantized_model_is_its_dequantized_weights_and_a_quarter_of_the_bytes(arch):
-    model = tiny_model(arch, layers=2)
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("llama", True), ("opt", True)])
+def test_quantized_model_is_its_dequantized_weights_and_a_quarter_of_the_bytes(arch, tied):
+    model = tiny_model(arch, layers=2, tie_word_embeddings=tied)
     fp32 = copy.deepcopy(model)
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    others = {p.data_ptr() for n, p in model.named_parameters() if n.rsplit(".", 1)[0] not in linears}
-    freed = sum(m.weight.nbytes for m in linears.values() if m.weight.data_ptr() not in others)  # a tied head: none
-    added = sum(m.weight.numel() * (1 + 4 / 32) for m in linears.values())  # int8 and a 4-byte scale per 32
+    modules = dict(model.named_modules())
+    linears = {n for n, m in modules.items() if isinstance(m, torch.nn.Linear)}
+    embeddings = {n for n, m in modules.items() if type(m) is torch.nn.Embedding}
+    others = {n for n, m in modules.items() if isinstance(m, torch.nn.Embedding)} - embeddings  # OPT's positions
+    replaced = {modules[n].weight.data_ptr(): modules[n].weight for n in linears | embeddings}  # tied: once
+    freed = sum(w.nbytes for w in replaced.values())
+    added = sum(w.numel() * (1 + 4 / 32) for w in replaced.values())  # int8 and a 4-byte scale per 32
     report = quantize_weights(model)
-    assert set(report.quantized) == set(linears) and not report.kept
-    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert set(report.quantized) == linears | embeddings and {n for n, _ in report.kept} == others
+    assert not any(isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) for n, m in model.named_modules()
+                   if n not in others)
     assert report.bytes_after == report.bytes_before - freed + added
-    assert report.bytes_after < 0.4 * report.bytes_before or arch == "opt"  # OPT's tiny head is tied: copied
+    assert report.bytes_after < 0.3 * report.bytes_before or arch == "opt"  # OPT keeps its float positions
+    if tied:  # one int8 copy serves the embedding and the head
+        assert model.get_input_embeddings().qweight is model.get_output_embeddings().qweight
     assert "projections" in str(report)
     ids = token_ids(2, 12)
     with torch.no_grad():
@@ -176,10 +192,41 @@ def test_quantized_model_compiles_and_decodes_as_eager():
     assert any(where == "int8 projections" and "15 projections" in why for where, why in reports[-1].match.fallbacks)
 
 
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 50), groups=st.integers(1, 4), group=st.sampled_from(GROUP_SIZES),
+       ids_shape=st.sampled_from([(1,), (1, 1), (2, 7), (3, 1, 4)]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_int8_embedding_looks_up_its_dequantized_rows(rows, groups, group, ids_shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    embedding = torch.nn.Embedding(rows, groups * group).to(dtype)
+    with torch.no_grad():
+        embedding.weight.copy_(torch.randn(rows, groups * group, generator=g) * torch.rand(rows, 1, generator=g))
+    int8 = Int8Embedding(embedding, group)
+    ids = torch.randint(0, rows, ids_shape, generator=g)
+    got = int8(ids)
+    # float64 of the int8 values times their scales, rounded once to the embedding's dtype
+    q, scales = quantize_rows_grouped(embedding.weight, group)
+    expected = (q.double().reshape(rows, groups, group) * scales.double()[..., None]).reshape(rows, -1)[ids]
+    assert got.dtype == dtype and got.shape == (*ids_shape, groups * group)
+    eps = torch.finfo(dtype).eps
+    assert ((got.double() - expected).abs() <= eps * expected.abs()).all()
+    step = scales.double().repeat_interleave(group, -1)[ids]  # within half a step of the float rows
+    original = embedding.weight.double()[ids]
+    assert ((got.double() - original).abs() <= step * (0.5 + 128 * EPS32) + eps * (original.abs() + step)).all()
+
+
 def test_quantize_weights_reports_what_it_keeps_and_refuses_bad_arguments():
+    class ScaledEmbedding(torch.nn.Embedding):  # a subclass's forward may do more than look rows up
+        pass
+
     model = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
     report = quantize_weights(model)
     assert report.quantized == ["0"] and report.kept == [("2", "16 inputs, not a multiple of 32")]
+    embeddings = torch.nn.ModuleList([torch.nn.Embedding(4, 48), torch.nn.Embedding(4, 64, max_norm=1.0),
+                                      ScaledEmbedding(4, 64), torch.nn.Embedding(4, 64)])
+    report = quantize_weights(embeddings)
+    assert report.quantized == ["3"] and [name for name, _ in report.kept] == ["0", "1", "2"]
+    assert "ScaledEmbedding" in str(report) and "max_norm" in str(report)
     x = torch.randn(3, 64)
     torch.testing.assert_close(model(x), model[2](torch.relu(model[0](x))))
     with pytest.raises(ValueError, match="format must be one of"):

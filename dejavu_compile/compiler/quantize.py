@@ -1,4 +1,4 @@
-"""``quantize_weights``: a model's projections stored as int8 with per-group scales, in place.
+"""``quantize_weights``: a model's projections and embeddings stored as int8 with per-group scales, in place.
 
 Each ``nn.Linear`` becomes an :class:`Int8Linear` holding its weight as int8 values with one fp32
 scale per ``group_size`` weights of a row (symmetric, round to nearest: ``q = round(w / s)``,
@@ -14,9 +14,12 @@ Inference only (the op has no backward); CPU only. The model's ``state_dict`` th
 projection's ``qweight`` and ``scales`` in place of its ``weight``: quantize after loading a
 checkpoint, not before. A projection whose input width is not a
 multiple of ``group_size`` keeps its float weight and is reported, as is any module that is not an
-``nn.Linear`` (GPT-2's ``Conv1D``). A tied output head gets its own int8 copy; the token embedding
-it shares stays in float (it is read one row per token). Sparse plans do not yet apply to the
-quantized projections: the blocks they hold are no longer matched, and they compile dense.
+``nn.Linear`` (GPT-2's ``Conv1D``). Each plain ``nn.Embedding`` becomes an :class:`Int8Embedding`
+(its looked-up rows decode to the float dtype it had; subclasses, which may scale or offset their
+rows, keep their float weight and are reported); an embedding tied to the output head shares the
+head's int8 values and scales, so the model holds one int8 copy where it held one float one.
+Sparse plans do not yet apply to the quantized projections: the blocks they hold are no longer
+matched, and they compile dense.
 """
 from __future__ import annotations
 
@@ -72,6 +75,31 @@ class Int8Linear(nn.Module):
                 f"int8, group_size={self.group_size}")
 
 
+class Int8Embedding(nn.Module):
+    """An ``nn.Embedding`` whose weight is int8 with per-group fp32 scales (buffers ``qweight`` and
+    ``scales``, shared with the output head's :class:`Int8Linear` when the two were tied); the rows
+    it looks up decode to ``dtype``, the float dtype of the weight it replaced."""
+
+    def __init__(self, embedding: nn.Embedding, group_size: int = 32, int8_linear: Int8Linear | None = None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.group_size, self.dtype = group_size, embedding.weight.dtype
+        if int8_linear is not None:
+            q, scales = int8_linear.qweight, int8_linear.scales
+        else:
+            q, scales = quantize_rows_grouped(embedding.weight, group_size)
+        self.register_buffer("qweight", q.to(embedding.weight.device))
+        self.register_buffer("scales", scales.to(embedding.weight.device))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        q, scales = self.qweight[ids], self.scales[ids]  # (..., d) int8, (..., d // group) fp32
+        rows = q.unflatten(-1, (scales.shape[-1], self.group_size)).float() * scales[..., None]
+        return rows.flatten(-2).to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8, group_size={self.group_size}"
+
+
 @dataclass
 class QuantizeReport:
     """What :func:`quantize_weights` did: the projections it replaced, those it kept (with why) and
@@ -85,8 +113,9 @@ class QuantizeReport:
     bytes_after: int = 0
 
     def __str__(self) -> str:
-        lines = [f"{self.format} weights (groups of {self.group_size}): {len(self.quantized)} projections, "
-                 f"{self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB of parameters and buffers"]
+        lines = [f"{self.format} weights (groups of {self.group_size}): {len(self.quantized)} projections and "
+                 f"embeddings, {self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB of "
+                 "parameters and buffers"]
         lines += [f"  kept {name}: {why}" for name, why in self.kept]
         return "\n".join(lines)
 
@@ -103,8 +132,8 @@ def resident_bytes(model: nn.Module) -> int:
 
 
 def quantize_weights(model: nn.Module, format: str = "int8", *, group_size: int = 32) -> QuantizeReport:
-    """Replace every ``nn.Linear`` of ``model`` by its int8 form (see the module docstring), in place;
-    returns a :class:`QuantizeReport`. The model must be on the CPU and the C++ ops must build."""
+    """Replace every ``nn.Linear`` and ``nn.Embedding`` of ``model`` by its int8 form (see the module
+    docstring), in place; returns a :class:`QuantizeReport`. The model must be on the CPU and the C++ ops must build."""
     from dejavu_compile import kernels
 
     if format not in FORMATS:
@@ -117,16 +146,31 @@ def quantize_weights(model: nn.Module, format: str = "int8", *, group_size: int 
     if not kernels.cpu_ops_available():
         raise RuntimeError("quantize_weights needs the C++ CPU ops, which did not build (see the warning above)")
     report = QuantizeReport(format, group_size, bytes_before=resident_bytes(model))
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            full = f"{name}.{child_name}" if name else child_name
-            if isinstance(child, nn.Linear):
-                if child.in_features % group_size:
-                    report.kept.append((full, f"{child.in_features} inputs, not a multiple of {group_size}"))
-                    continue
-                setattr(module, child_name, Int8Linear(child, group_size))
-                report.quantized.append(full)
-            elif type(child).__name__ == "Conv1D":
-                report.kept.append((full, "a Conv1D (weights stored (in, out)): not quantized"))
+    children = [(name, module, child_name, child) for name, module in model.named_modules()
+                for child_name, child in module.named_children()]
+    int8_of_weight = {}  # id of a replaced float weight -> its Int8Linear (a tied embedding shares it)
+    for name, module, child_name, child in children:
+        full = f"{name}.{child_name}" if name else child_name
+        if isinstance(child, nn.Linear):
+            if child.in_features % group_size:
+                report.kept.append((full, f"{child.in_features} inputs, not a multiple of {group_size}"))
+                continue
+            int8_of_weight[id(child.weight)] = Int8Linear(child, group_size)
+            setattr(module, child_name, int8_of_weight[id(child.weight)])
+            report.quantized.append(full)
+        elif type(child).__name__ == "Conv1D":
+            report.kept.append((full, "a Conv1D (weights stored (in, out)): not quantized"))
+    for name, module, child_name, child in children:  # after the projections: a tied head's int8 is reused
+        full = f"{name}.{child_name}" if name else child_name
+        if type(child) is nn.Embedding:
+            if child.embedding_dim % group_size or child.max_norm is not None:
+                why = "max_norm renormalizes its rows" if child.max_norm is not None else \
+                    f"{child.embedding_dim} wide, not a multiple of {group_size}"
+                report.kept.append((full, why))
+                continue
+            setattr(module, child_name, Int8Embedding(child, group_size, int8_of_weight.get(id(child.weight))))
+            report.quantized.append(full)
+        elif isinstance(child, nn.Embedding):
+            report.kept.append((full, f"a {type(child).__name__} (its own forward): not quantized"))
     report.bytes_after = resident_bytes(model)
     return report

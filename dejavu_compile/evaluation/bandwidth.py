@@ -1,6 +1,8 @@
 """The bandwidth bound of a plan: how much faster a purely bandwidth-bound decoder could run."""
 from __future__ import annotations
 
+import torch
+
 from dejavu_compile.compiler.explain import matched_blocks
 from dejavu_compile.compiler.passes.sparse_attention import dense_query_reason, dense_reason
 
@@ -22,8 +24,9 @@ def bandwidth_bound(model, plan) -> float:
     total = sum(nbytes(p) for p in {id(p): p for p in model.parameters()}.values())
     # An input embedding reads one row per token; unless the output head shares it, leave it out.
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if embed is not None and (head is None or head.weight is not embed.weight):
-        total -= nbytes(embed.weight)
+    embed_weight = getattr(embed, "weight", None)  # an Int8Embedding holds buffers, not a parameter
+    if isinstance(embed_weight, torch.nn.Parameter) and getattr(head, "weight", None) is not embed_weight:
+        total -= nbytes(embed_weight)
     def ref_bytes(ref) -> float:  # a fused weight (gate_up_proj, c_attn): only the rows this role owns
         p = params[ref.name]
         if ref.rows is None:
