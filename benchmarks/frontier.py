@@ -3,6 +3,7 @@ at each of its weight formats beside llama.cpp at its formats of the same weight
 
     python benchmarks/frontier.py     # benchmarks/results/frontier.json and frontier.png
     python benchmarks/frontier.py --new-tokens 48 --repeats 5 --threads 2 --eval-tokens 2048
+    python benchmarks/frontier.py --llama1b   # results/frontier-llama1b.json: the byte bounds (below)
 
 dejavu: the model in fp32, in bf16 (``model.to(torch.bfloat16)``) and in int8
 (``quantize_weights(model, "int8")`` over fp32), each exact (the backend with no plan), and fp32 and
@@ -19,6 +20,15 @@ llama.cpp itself with every position's logits; each also as its increase over th
 model's. For each llama.cpp point the table names dejavu's fastest point at no worse perplexity.
 The plot draws tokens/s against the perplexity increase with each runtime's frontier (the points
 that no faster point of the same runtime beats on perplexity).
+
+``--llama1b``: a Llama-3.2-1B-shaped model (random weights, 16 layers, hidden 2048, 8192 MLP neurons,
+32 heads over 8 KV heads, a tied 128,256-row head), where the weights, not the per-step overhead,
+set the pace: bf16 and int8, exact, and bf16 sparse (the default plan's method on these weights:
+each MLP's training-free int8 predictor built from its own gate/up rows, values from it, at
+``--llama1b-densities``, with the output head screened), each against its byte bound: the bytes
+its step reads (``bandwidth.bandwidth_bound`` of the plan) over the rate the backend's dense GEMV
+reads this model's weights at, measured once before the decode rounds. Speed only: random weights
+have no perplexity to speak of. Sparse plans do not yet reach int8 blocks.
 """
 from __future__ import annotations
 
@@ -33,6 +43,9 @@ from peers import llama_cpp_models, llama_cpp_perplexity, llama_cpp_run  # besid
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 LLAMA_CPP_FORMATS = ("F32", "BF16", "Q8_0", "Q6_K", "Q4_K_M", "Q4_0")
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001)
 
 
 def dejavu_models(model) -> dict:
@@ -95,13 +108,71 @@ def plot(points: list[dict], info: dict, path: pathlib.Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def llama1b(args, info: dict) -> dict:
+    """The --llama1b run: tokens/s of each variant and its share of its byte bound."""
+    from decode import synthetic_int8_plan  # beside this script
+    from profile_decode import step_weight_bytes, streaming_rate
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dejavu_compile.compiler.prepare import prepare_model
+    from dejavu_compile.compiler.quantize import quantize_weights, resident_bytes
+    from dejavu_compile.evaluation.bandwidth import bandwidth_bound
+    from dejavu_compile.evaluation.bench import Variant, compiled_forward, measure_decode
+    from dejavu_compile.plan.sparsity_plan import HEAD_CANDIDATES
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **LLAMA_1B)).eval()
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    print(quantize_weights(model, "int8"))  # in place: the fp32 projections are dropped
+    models = {"bf16": bf16, "int8": model}
+    for m in models.values():
+        prepare_model(m)
+    plans = {}
+    for density in args.llama1b_densities:
+        plans[density] = synthetic_int8_plan(bf16, density)
+        plans[density].head_candidates = HEAD_CANDIDATES
+    variants, reads = [], {}  # name -> (model, the bytes a step reads)
+    for fmt, m in models.items():
+        dense_bytes = step_weight_bytes(m)
+        variants.append(Variant(f"dejavu {fmt} exact", compiled_forward("dejavu"), model=m))
+        reads[variants[-1].name] = (fmt, dense_bytes, None)
+        for density, plan in plans.items() if fmt == "bf16" else ():
+            variants.append(Variant(f"dejavu {fmt} MLP density {density:.2f}",
+                                    compiled_forward("dejavu", options={"plan": plan}), model=m))
+            reads[variants[-1].name] = (fmt, dense_bytes / bandwidth_bound(m, plan), density)
+    rates = {fmt: streaming_rate(m) for fmt, m in models.items()}
+    ids = torch.randint(3, LLAMA_1B["vocab_size"], (1, 8), generator=torch.Generator().manual_seed(0))
+    speed = measure_decode(model, ids, variants, new_tokens=args.llama1b_new_tokens, repeats=args.repeats)
+    rows = []
+    for v in variants:
+        fmt, step_bytes, density = reads[v.name]
+        tokens_per_s = speed[v.name]["tokens_per_s"]
+        bound = rates[fmt] / step_bytes
+        rows.append({"name": v.name, "format": fmt, "mlp_density": density, "tokens_per_s": tokens_per_s,
+                     "runs": speed[v.name]["runs"], "step_weight_bytes": step_bytes,
+                     "gemv_bytes_per_s": rates[fmt], "byte_bound_tokens_per_s": bound,
+                     "share_of_byte_bound": tokens_per_s / bound, "resident_weight_bytes": resident_bytes(v.model)})
+    print(f"\n{'variant (Llama-3.2-1B-shaped)':<34}{'tokens/s':>10}{'MB/step':>9}{'GEMV GB/s':>11}"
+          f"{'bound':>8}{'share':>7}")
+    for r in rows:
+        print(f"{r['name']:<34}{r['tokens_per_s']:>10.2f}{r['step_weight_bytes'] / 1e6:>9.0f}"
+              f"{r['gemv_bytes_per_s'] / 1e9:>11.1f}{r['byte_bound_tokens_per_s']:>8.2f}"
+              f"{r['share_of_byte_bound']:>7.2f}")
+    return {"machine": {**info, "new_tokens": args.llama1b_new_tokens}, "config": LLAMA_1B,
+            "head_candidates": HEAD_CANDIDATES, "rows": rows}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eval-tokens", type=int, default=2048, help="held-out tokens per text set")
-    ap.add_argument("--out", default=str(RESULTS / "frontier.json"), help="the plot goes beside it (.png)")
+    ap.add_argument("--out", default=None, help="default results/frontier.json (the plot goes beside it, .png), "
+                    "with --llama1b results/frontier-llama1b.json")
+    ap.add_argument("--llama1b", action="store_true", help="the Llama-3.2-1B-shaped byte-bound run instead")
+    ap.add_argument("--llama1b-densities", type=float, nargs="+", default=[0.5, 0.25])
+    ap.add_argument("--llama1b-new-tokens", type=int, default=16)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -118,6 +189,13 @@ def main(argv=None) -> int:
             "kernel_tuning": native.tuning(), "new_tokens": args.new_tokens, "repeats": args.repeats,
             "eval_tokens_per_set": args.eval_tokens}
     print(f"machine: {info}")
+    if args.llama1b:
+        out = pathlib.Path(args.out or RESULTS / "frontier-llama1b.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(llama1b(args, {k: v for k, v in info.items() if k != "eval_tokens_per_set"}),
+                                  indent=1))
+        print(f"wrote {out}")
+        return 0
     model, tok = load_smollm2()
     model.eval()
     plan_dir = _default_plan_dir(model, BUNDLED)
@@ -157,7 +235,7 @@ def main(argv=None) -> int:
                        "runs": speed[v.name]["runs"], "perplexity": ppl, "increase": ppl / reference - 1,
                        **({"resident_weight_bytes": resident_bytes(v.model)} if runtime == "dejavu" else {})})
     versus = against_llama_cpp(points)
-    out = pathlib.Path(args.out)
+    out = pathlib.Path(args.out or RESULTS / "frontier.json")
     result = {"machine": info, "plan": str(plan_dir), "mlp_density": plan.mlp_density,
               "fp32_dense_perplexity": reference, "eval_tokens": sum(c.numel() for c in chunks),
               "points": points, "frontier": {r: [p["name"] for p in frontier([q for q in points if q["runtime"] == r])]
