@@ -131,7 +131,7 @@ def llama1b(args, info: dict) -> dict:
     for density in args.llama1b_densities:
         plans[density] = synthetic_int8_plan(bf16, density)
         plans[density].head_candidates = HEAD_CANDIDATES
-    variants, reads = [], {}  # name -> (model, the bytes a step reads)
+    variants, reads = [], {}  # name -> (format, the bytes a step reads, MLP density or None)
     for fmt, m in models.items():
         dense_bytes = step_weight_bytes(m)
         variants.append(Variant(f"dejavu {fmt} exact", compiled_forward("dejavu"), model=m))

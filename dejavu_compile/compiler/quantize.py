@@ -46,9 +46,9 @@ def quantize_rows_grouped(weight: Tensor, group_size: int) -> tuple[Tensor, Tens
 
 
 def dequantize_rows_grouped(q: Tensor, scales: Tensor) -> Tensor:
-    """The fp32 rows that quantize_rows_grouped's int8 values and scales stand for, (n, d)."""
-    n, d = q.shape
-    return (q.float().reshape(n, scales.shape[1], -1) * scales[..., None]).reshape(n, d)
+    """The fp32 rows that quantize_rows_grouped's int8 values and scales stand for: (..., d) from
+    (..., d) int8 and (..., d // group_size) scales."""
+    return (q.unflatten(-1, (scales.shape[-1], -1)).float() * scales[..., None]).flatten(-2)
 
 
 class Int8Linear(nn.Module):
@@ -92,9 +92,7 @@ class Int8Embedding(nn.Module):
         self.register_buffer("scales", scales.to(embedding.weight.device))
 
     def forward(self, ids: Tensor) -> Tensor:
-        q, scales = self.qweight[ids], self.scales[ids]  # (..., d) int8, (..., d // group) fp32
-        rows = q.unflatten(-1, (scales.shape[-1], self.group_size)).float() * scales[..., None]
-        return rows.flatten(-2).to(self.dtype)
+        return dequantize_rows_grouped(self.qweight[ids], self.scales[ids]).to(self.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, int8, group_size={self.group_size}"
@@ -146,11 +144,10 @@ def quantize_weights(model: nn.Module, format: str = "int8", *, group_size: int 
     if not kernels.cpu_ops_available():
         raise RuntimeError("quantize_weights needs the C++ CPU ops, which did not build (see the warning above)")
     report = QuantizeReport(format, group_size, bytes_before=resident_bytes(model))
-    children = [(name, module, child_name, child) for name, module in model.named_modules()
-                for child_name, child in module.named_children()]
+    children = [(f"{name}.{child_name}" if name else child_name, module, child_name, child)
+                for name, module in model.named_modules() for child_name, child in module.named_children()]
     int8_of_weight = {}  # id of a replaced float weight -> its Int8Linear (a tied embedding shares it)
-    for name, module, child_name, child in children:
-        full = f"{name}.{child_name}" if name else child_name
+    for full, module, child_name, child in children:
         if isinstance(child, nn.Linear):
             if child.in_features % group_size:
                 report.kept.append((full, f"{child.in_features} inputs, not a multiple of {group_size}"))
@@ -160,8 +157,7 @@ def quantize_weights(model: nn.Module, format: str = "int8", *, group_size: int 
             report.quantized.append(full)
         elif type(child).__name__ == "Conv1D":
             report.kept.append((full, "a Conv1D (weights stored (in, out)): not quantized"))
-    for name, module, child_name, child in children:  # after the projections: a tied head's int8 is reused
-        full = f"{name}.{child_name}" if name else child_name
+    for full, module, child_name, child in children:  # after the projections: a tied head's int8 is reused
         if type(child) is nn.Embedding:
             if child.embedding_dim % group_size or child.max_norm is not None:
                 why = "max_norm renormalizes its rows" if child.max_norm is not None else \
