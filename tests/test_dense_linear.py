@@ -175,8 +175,8 @@ def test_inductor_decode_with_the_gemv_matches_eager():
 
 
 def test_cpu_decode_graphs_compile_under_inductors_cpp_wrapper(monkeypatch):
-    """A graph holding the backend's C++ ops (a CPU decode graph) reaches Inductor with its C++
-    wrapper on, built apart from the kernels, unless the option inductor_config turns it off; a
+    """A graph holding the backend's C++ ops (a CPU decode graph, int8 projections included) reaches
+    Inductor with its C++ wrapper on, built apart from the kernels, unless the option inductor_config turns it off; a
     prefill graph keeps Inductor's own settings. (Inductor itself is not run here: the spy returns
     the graph; test_inductor_decode_with_the_gemv_matches_eager decodes through the C++ wrapper.)"""
     import torch._inductor.compile_fx as compile_fx
@@ -197,6 +197,16 @@ def test_cpu_decode_graphs_compile_under_inductors_cpp_wrapper(monkeypatch):
     assert override_ops and override == {"cpp_wrapper": False, "cpp_wrapper_build_separate": True,
                                          "size_asserts": False}
     assert not prefill_ops and "cpp_wrapper" not in prefill
+    # int8 projections the model itself calls (quantize_weights): the decode graph, not the prefill
+    from dejavu_compile import quantize_weights
+
+    quantize_weights(model)
+    seen.clear()
+    for tokens in (1, MAX_ROWS + 1):
+        _decode(model, {"inner": "inductor"}, tokens)
+    (_, int8_decode), (_, int8_prefill) = seen
+    assert int8_decode == {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+    assert "cpp_wrapper" not in int8_prefill
 
 
 def test_machine_tuning_is_measured_once_and_cached_beside_the_build(tmp_path):

@@ -10,7 +10,9 @@ them) into that op. Exact: every product is summed, only the summation order dif
 It applies to CPU projections in fp32, bf16 or fp16 (input, weight and bias in one dtype, as
 ``F.linear`` asks; the kernels read the weight as stored and sum in fp32) with at most ``MAX_ROWS``
 rows of input and a weight with one unit stride (as stored, or transposed by ``prepare_model``);
-others stay as traced. Training
+others stay as traced. A decode graph that already calls ``dejavu::cpu_q8_linear`` (the projections
+``quantize_weights(model, "int8")`` leaves) is noted as holding the native entry's ops, so it too is
+compiled under Inductor's C++ wrapper (no Python call per projection). Training
 graphs and graphs that need gradients are left alone (the op has no backward). The option
 ``dense_lowering="aten"`` turns the pass off.
 """
@@ -98,8 +100,25 @@ class DenseLinearPass:
             out.meta.update({k: v for k, v in lin.out.meta.items() if k in ("example_value", "val", "stack_trace")})
             lin.out.replace_all_uses_with(out)
             _erase_unused(graph, [lin.out, lin.call, *lin.call.all_input_nodes])
+        if any(_decode_int8_projection(node) for node in graph.nodes):
+            owner = dense_kernel("linear", ctx.opts, None)  # the CPU entry of the dense GEMV, whose ops these are
+            if owner is not None:
+                owner.note(gm)
         ctx.count(self.name, len(lowerings))
         return gm
+
+
+def _decode_int8_projection(node: fx.Node) -> bool:
+    """A ``dejavu::cpu_q8_linear`` call with at most ``MAX_ROWS`` rows of input."""
+    if node.op != "call_function" or node.target not in _int8_projection_ops():
+        return False
+    rows = _rows(example_value(node.args[0]))
+    return rows is not None and 1 <= rows <= MAX_ROWS
+
+
+def _int8_projection_ops() -> tuple:
+    op = getattr(torch.ops.dejavu, "cpu_q8_linear", None)
+    return (op, op.default) if op is not None else ()
 
 
 def _erase_unused(graph: fx.Graph, nodes) -> None:

@@ -146,8 +146,13 @@ class KernelLowering:
 
     def use(self, gm: fx.GraphModule, role: str):
         """The hook for ``role``, noting in ``gm.meta["dejavu_kernels"]`` that the graph holds this entry's ops."""
-        gm.meta.setdefault("dejavu_kernels", set()).add(self.name)
+        self.note(gm)
         return getattr(self, ROLE_HOOKS[role])
+
+    def note(self, gm: fx.GraphModule) -> None:
+        """Note in ``gm.meta["dejavu_kernels"]`` that the graph holds this entry's ops (also those the
+        model's own code calls, such as ``quantize_weights``' int8 projections)."""
+        gm.meta.setdefault("dejavu_kernels", set()).add(self.name)
 
     def applies(self, opts: dict, weight: Optional[torch.Tensor], rows_contiguous: bool = True,
                 dtype: Optional[torch.dtype] = None) -> bool:
