@@ -540,6 +540,43 @@ static inline float dot_q8_groups(const int8_t *restrict w, const int16_t *restr
     return s;
 }
 
+/* dot_q8_groups of two rows (a neuron's gate and up) with the same x, in one pass: each load of x
+   serves both rows, and each row's sum is formed exactly as dot_q8_groups forms it (the same
+   chains, the same order), so both values are bit-equal to the dense int8 GEMV's. Two passes read x
+   (int16, twice the bytes of a weight row) twice per neuron and kept one row stream in flight. */
+static inline void dot2_q8_groups(const int8_t *restrict wa, const int8_t *restrict wb, const int16_t *restrict x,
+                                  const float *restrict sa, const float *restrict sb, int64_t d, int64_t group,
+                                  float *out_a, float *out_b) {
+#if defined(DEJAVU_INT8_LANES) && defined(DEJAVU_VEC) && DEJAVU_VEC * 2 == DEJAVU_INT8_LANES
+    vec_t a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+    vec_t b0 = vzero(), b1 = vzero(), b2 = vzero(), b3 = vzero();
+    int64_t g0 = 0, g = 0;
+#define DEJAVU_GROUP2(A, B, off, gi)                                                               \
+    {                                                                                              \
+        ivec_t ia = ivzero(), ib = ivzero();                                                       \
+        for (int64_t i = 0; i < group; i += DEJAVU_INT8_LANES) {                                   \
+            DEJAVU_MADD(ia, wa + (off) + i, x + (off) + i);                                        \
+            DEJAVU_MADD(ib, wb + (off) + i, x + (off) + i);                                        \
+        }                                                                                          \
+        A = vfma(ivto_ps(ia), vset1(sa[gi]), A);                                                   \
+        B = vfma(ivto_ps(ib), vset1(sb[gi]), B);                                                   \
+    }
+    for (; g0 + 4 * group <= d; g0 += 4 * group, g += 4) {
+        DEJAVU_GROUP2(a0, b0, g0, g)
+        DEJAVU_GROUP2(a1, b1, g0 + group, g + 1)
+        DEJAVU_GROUP2(a2, b2, g0 + 2 * group, g + 2)
+        DEJAVU_GROUP2(a3, b3, g0 + 3 * group, g + 3)
+    }
+    for (; g0 < d; g0 += group, g++) DEJAVU_GROUP2(a0, b0, g0, g)
+#undef DEJAVU_GROUP2
+    *out_a = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
+    *out_b = vsum(vadd(vadd(b0, b1), vadd(b2, b3)));
+#else
+    *out_a = dot_q8_groups(wa, x, sa, d, group);
+    *out_b = dot_q8_groups(wb, x, sb, d, group);
+#endif
+}
+
 /* out[b, r] = (q[r] . x_b with q's group scales) + bias[r] for r < n: q (n, d) int8 rows, d apart;
    scales (n, d / group) fp32; x (nb, d) and out (nb, n) contiguous; bias NULL or (n,). Scratch: nb * d
    int16 and nb floats. Each thread streams one contiguous share of the rows, each row read once for
@@ -653,11 +690,17 @@ void dejavu_q8_sparse_mlp(const float *x, int64_t nb, int64_t d, int64_t d_out,
                 const int64_t r = ids[j];
                 for (int64_t b = 0; b < rows_per_pass; b++) {
                     const int64_t row = p * rows_per_pass + b;  /* the row of x */
-                    float v = activate(inv[row] * dot_q8_groups(q_a + r * d, xq + row * d, s_a + r * groups, d, group) +
-                                           (b_a ? b_a[r] : 0.0f), activation);
-                    if (q_b)
-                        v *= inv[row] * dot_q8_groups(q_b + r * d, xq + row * d, s_b + r * groups, d, group) +
-                             (b_b ? b_b[r] : 0.0f);
+                    float v;
+                    if (q_b) {
+                        float gate, up;
+                        dot2_q8_groups(q_a + r * d, q_b + r * d, xq + row * d, s_a + r * groups, s_b + r * groups, d,
+                                       group, &gate, &up);
+                        v = activate(inv[row] * gate + (b_a ? b_a[r] : 0.0f), activation) *
+                            (inv[row] * up + (b_b ? b_b[r] : 0.0f));
+                    } else {
+                        v = activate(inv[row] * dot_q8_groups(q_a + r * d, xq + row * d, s_a + r * groups, d, group) +
+                                         (b_a ? b_a[r] : 0.0f), activation);
+                    }
                     h[(j - lo) * rows_per_pass + b] = v;
                 }
             }
