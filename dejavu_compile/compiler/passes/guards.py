@@ -54,7 +54,8 @@ class TrainingGuard:
 
 class PlanCheck:
     """The plan fits the matched blocks (else :class:`PlanMismatchError`, which reaches the user);
-    no plan, or no block matched: the run ends here. Counts the blocks with a sparse plan entry."""
+    no plan, or no block matched: the run ends here. A plan over a graph of int8 projections
+    (``quantize_weights``), which no sparse rewrite reaches, warns. Counts the blocks with a sparse plan entry."""
 
     name = "plan_check"
 
@@ -64,6 +65,9 @@ class PlanCheck:
             ctx.stop()
             return gm
         check_plan_against_blocks(plan, match.blocks)
+        for where, why in match.fallbacks:  # asked for sparsity where none can apply: say so, not only in the report
+            if where == "int8 projections":
+                warnings.warn(f"dejavu: {why}; the sparsity plan is not applied to them", stacklevel=2)
         if not match.blocks:
             ctx.stop("no MLP or attention block matched")
             return gm
