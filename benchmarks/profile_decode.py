@@ -4,7 +4,8 @@ graphs, and the plan with its projections left to Inductor).
 
     python benchmarks/profile_decode.py                 # the split below, per variant
     python benchmarks/profile_decode.py --dtype bfloat16 # a bf16 model (Inductor dense, exact, default plan)
-    python benchmarks/profile_decode.py --weights int8   # quantize_weights(model, "int8") (dense, exact)
+    python benchmarks/profile_decode.py --weights int8   # quantize_weights(model, "int8") (dense, exact;
+                                                         # exact also with the int8 GEMV's prefetch off)
 
 For each variant (fp32 unless --dtype/--weights, batch 1, static cache, 2 threads unless --threads;
 through ``evaluation.bench.measure_decode``: every variant compiled first, then timed once per
@@ -93,9 +94,14 @@ def main(argv=None) -> int:
         variants = {name: variants[name] for name in keep}
     original = model.forward
     forwards = {name: wrap(original) for name, (wrap, _) in variants.items()}
+    if args.weights == "int8":  # the same compiled step with the int8 GEMV's software prefetch off
+        variants["dejavu exact, no int8 prefetch"] = variants["dejavu exact"]
+        forwards["dejavu exact, no int8 prefetch"] = _with_tuning(forwards["dejavu exact"], int8_prefetch_rows=0)
+        forwards["dejavu exact"] = _with_tuning(forwards["dejavu exact"])
     timed = []
     for name, forward in forwards.items():  # each forward under generate(), then in a plain loop
-        timed.append(Variant(name, lambda _, f=forward: f))
+        # a variant sharing another's compiled forward compiles nothing of its own in the warm-up
+        timed.append(Variant(name, lambda _, f=forward: f, compiled=name != "dejavu exact, no int8 prefetch"))
         timed.append(Variant(f"{name}, plain", run=lambda n, f=forward: _plain_steps(model, f, ids, n), compiled=False))
     speed = measure_decode(model, ids, timed, new_tokens=33, repeats=args.repeats)
     for name, (_, step_bytes) in variants.items():
@@ -109,6 +115,18 @@ def main(argv=None) -> int:
             print(f"  {category:<28}{1e3 * share * plain_step:5.1f} ms ({share:.0%})")
     model.forward = original
     return 0
+
+
+def _with_tuning(forward, **settings):
+    """``forward`` run under the kernels' machine tuning with ``settings`` in place (each call sets it:
+    variants that differ only in a setting interleave)."""
+    from dejavu_compile.kernels.cpu import native
+
+    def run(*args, **kwargs):
+        native.apply_tuning(**settings)
+        return forward(*args, **kwargs)
+
+    return run
 
 
 def _step_weights(model) -> list[tuple]:

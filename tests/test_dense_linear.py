@@ -217,7 +217,14 @@ def test_machine_tuning_is_measured_once_and_cached_beside_the_build(tmp_path):
     first = native.machine_tuning(lib, path)
     assert (first["mlp_prefetch_rows"], first["mlp_prefetch_bytes"]) in native.MLP_PREFETCH_CHOICES
     assert first["linear_prefetch_rows"] in native.LINEAR_PREFETCH_CHOICES
-    path.write_text('{"mlp_prefetch_rows": 8, "mlp_prefetch_bytes": 1024, "linear_prefetch_rows": 2}')
+    assert first["int8_prefetch_rows"] in native.INT8_PREFETCH_CHOICES
+    path.write_text('{"mlp_prefetch_rows": 8, "mlp_prefetch_bytes": 1024, "linear_prefetch_rows": 2, '
+                    '"int8_prefetch_rows": 4}')
     assert native.machine_tuning(lib, path) == {"mlp_prefetch_rows": 8, "mlp_prefetch_bytes": 1024,
-                                                "linear_prefetch_rows": 2}
+                                                "linear_prefetch_rows": 2, "int8_prefetch_rows": 4}
+    # a file from before a setting existed: the value the kernels hold fills it in; measuring left them as they were
+    held = native.held_tuning(lib)
+    assert held == native.tuning()
+    path.write_text('{"mlp_prefetch_rows": 8, "mlp_prefetch_bytes": 1024, "linear_prefetch_rows": 2}')
+    assert native.machine_tuning(lib, path)["int8_prefetch_rows"] == held["int8_prefetch_rows"]
     assert native.tuning().keys() == first.keys()

@@ -74,21 +74,45 @@ def _q8_reference(x, q, scales, b, dtype):
 @given(lead=st.sampled_from([(1,), (3,), (1, 1), (2, 5), (40,)]), groups=st.integers(1, 6),
        group=st.sampled_from(GROUP_SIZES), n=st.integers(1, 90), bias=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), threads=st.sampled_from([1, 2, 3]),
-       seed=st.integers(0, 2**16))
-def test_cpu_q8_linear_matches_float64_of_its_weight(lead, groups, group, n, bias, dtype, threads, seed):
+       prefetch=st.sampled_from(native.INT8_PREFETCH_CHOICES + (1,)), seed=st.integers(0, 2**16))
+def test_cpu_q8_linear_matches_float64_of_its_weight(lead, groups, group, n, bias, dtype, threads, prefetch, seed):
     """Decode and prefill row counts, every group size, widths of 1-6 groups, fp32/bf16/fp16 x, 1-3
-    threads. The op allocates its output in C++: comparing every element catches one left unwritten."""
+    threads, each prefetch distance the machine tuning may pick (rows ahead, up to past the last).
+    The op allocates its output in C++: comparing every element catches one left unwritten."""
     x, q, scales, b = _q8_problem(seed, lead, groups * group, n, bias, dtype, group)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    native.apply_tuning(int8_prefetch_rows=prefetch)
     try:
         out = torch.ops.dejavu.cpu_q8_linear(x, q, scales, b)
     finally:
         torch.set_num_threads(before)
+        native.apply_tuning()
     ref, bound = _q8_reference(x, q, scales, b, dtype)
     assert out.shape == (*lead, n) and out.dtype == dtype
     err = (out.double() - ref).abs()
     assert bool((err <= bound).all()), f"max error {err.max().item():.3e} (ratio {(err / bound).max().item():.3g})"
+
+
+def test_apply_tuning_sets_both_libraries_and_restores_the_machine_tuning():
+    """The C kernels and the C++ ops each hold the settings: an override reaches both and changes no
+    value (a prefetch distance only moves reads earlier); no arguments restore the machine's tuning."""
+    native.load_ops()
+    lib = native._load()
+    x, q, scales, _ = _q8_problem(1, (1,), 256, 300, False, torch.float32, 32)
+    tuned = native.tuning()
+    expected = torch.ops.dejavu.cpu_q8_linear(x, q, scales, None)
+    other = 0 if tuned["int8_prefetch_rows"] else 8
+    native.apply_tuning(int8_prefetch_rows=other)
+    try:
+        for held in (native.held_tuning(lib), native.held_tuning(native._OPS["lib"])):
+            assert held == {**tuned, "int8_prefetch_rows": other}
+        assert torch.equal(torch.ops.dejavu.cpu_q8_linear(x, q, scales, None), expected)
+    finally:
+        native.apply_tuning()
+    assert native.held_tuning(lib) == native.held_tuning(native._OPS["lib"]) == tuned
+    with pytest.raises(ValueError, match="unknown kernel settings"):
+        native.apply_tuning(int8_prefetch=4)
 
 
 def test_cpu_q8_linear_bad_input_and_opcheck():

@@ -255,18 +255,23 @@ static inline void sum_partials(const float *scratch, int64_t width, const float
 /* Per-machine settings. The sparse MLP's prefetch: the first mlp_prefetch_bytes of each row,
    mlp_prefetch_rows neurons ahead (the start of a row is what the hardware prefetcher cannot guess;
    prefetching whole rows competes with the demand reads). The dense GEMV's: the row
-   linear_prefetch_rows ahead (0: none, the hardware prefetcher alone). native.py measures them once
-   per build and machine (machine_tuning) and sets them here; these defaults hold until then. The sparse
-   MLP's callers pass -1 to use them; benchmarks/kernels.py --prefetch-sweep passes others. */
+   linear_prefetch_rows ahead (0: none, the hardware prefetcher alone). The int8 GEMVs' (the
+   quantized projections and the int8 predictor): the row int8_prefetch_rows ahead, with its scales.
+   An int8 row is a quarter of an fp32 one, too short for the hardware prefetcher to ramp up on:
+   without it the int8 GEMV read its weights at about half the fp32 GEMV's rate. native.py measures
+   them once per build and machine (machine_tuning) and sets them here; these defaults hold until
+   then. The sparse MLP's callers pass -1 to use them; benchmarks/kernels.py --prefetch-sweep passes others. */
 typedef struct {
-    int64_t mlp_prefetch_rows, mlp_prefetch_bytes, linear_prefetch_rows;
+    int64_t mlp_prefetch_rows, mlp_prefetch_bytes, linear_prefetch_rows, int8_prefetch_rows;
 } dejavu_tuning_t;
-dejavu_tuning_t dejavu_tuning = {4, 256, 0};
+dejavu_tuning_t dejavu_tuning = {4, 256, 0, 8};
 
-void dejavu_set_tuning(int64_t mlp_prefetch_rows, int64_t mlp_prefetch_bytes, int64_t linear_prefetch_rows) {
+void dejavu_set_tuning(int64_t mlp_prefetch_rows, int64_t mlp_prefetch_bytes, int64_t linear_prefetch_rows,
+                       int64_t int8_prefetch_rows) {
     dejavu_tuning.mlp_prefetch_rows = mlp_prefetch_rows;
     dejavu_tuning.mlp_prefetch_bytes = mlp_prefetch_bytes;
     dejavu_tuning.linear_prefetch_rows = linear_prefetch_rows;
+    dejavu_tuning.int8_prefetch_rows = int8_prefetch_rows;
 }
 
 /* out[b] = sum_j act(w_a[r].x_b + b_a[r]) * (w_b[r].x_b + b_b[r]) * w_down_t[r] + b_down,
@@ -457,9 +462,12 @@ static inline float dequantize(float row_scale, float x_inv_scale, int32_t dot) 
 void dejavu_int8_linear_f32(const float *x, int64_t nb, int64_t d, const int8_t *w, int64_t n_rows,
                             const float *scale, float *out, int16_t *xq, float *inv, int n_threads) {
     quantize_rows(x, nb, d, xq, inv);
+    const int64_t ahead = dejavu_tuning.int8_prefetch_rows;
 #pragma omp parallel for num_threads(n_threads) schedule(static)
-    for (int64_t r = 0; r < n_rows; r++)
+    for (int64_t r = 0; r < n_rows; r++) {
+        if (ahead > 0 && r + ahead < n_rows) prefetch(w + (r + ahead) * d, d, d);
         for (int64_t b = 0; b < nb; b++) out[b * n_rows + r] = dequantize(scale[r], inv[b], dot_i8(w + r * d, xq + b * d, d));
+    }
 }
 
 /* The int8 predictor's scores: for each neuron j < n_neurons,
@@ -584,11 +592,16 @@ static inline void dot2_q8_groups(const int8_t *restrict wa, const int8_t *restr
 void dejavu_q8_linear(const float *x, int64_t nb, int64_t d, const int8_t *w, int64_t n, const float *scales,
                       int64_t group, const float *bias, float *out, int16_t *xq, float *inv, int n_threads) {
     for (int64_t b = 0; b < nb; b++) inv[b] = quantize_x_bits(x + b * d, d, 15, xq + b * d);
-    const int64_t groups = d / group;
+    const int64_t groups = d / group, ahead = dejavu_tuning.int8_prefetch_rows;
 #pragma omp parallel for num_threads(n_threads) schedule(static)
-    for (int64_t r = 0; r < n; r++)
+    for (int64_t r = 0; r < n; r++) {
+        if (ahead > 0 && r + ahead < n) {
+            prefetch(w + (r + ahead) * d, d, d);
+            prefetch(scales + (r + ahead) * groups, groups * 4, groups * 4);
+        }
         for (int64_t b = 0; b < nb; b++)
             out[b * n + r] = inv[b] * dot_q8_groups(w + r * d, xq + b * d, scales + r * groups, d, group) + (bias ? bias[r] : 0.0f);
+    }
 }
 
 /* out[r - r0] = the fp32 values of int8 rows r0 .. r0 + n_rows - 1 (q rows d apart, scales (n, d / group)):

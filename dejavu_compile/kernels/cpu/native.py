@@ -119,9 +119,10 @@ def _load():
                                                   ctypes.c_int, P, P, ctypes.c_int, I, I]
                 lib.dejavu_int8_linear_f32.argtypes = [P, I, I, P, I, P, P, P, P, ctypes.c_int]
                 lib.dejavu_linear_f32.argtypes = [P, I, I, P, I, I, P, P, ctypes.c_int, I]
-                lib.dejavu_set_tuning.argtypes = [I, I, I]
+                lib.dejavu_q8_linear.argtypes = [P, I, I, P, I, P, I, P, P, P, P, ctypes.c_int]
+                lib.dejavu_set_tuning.argtypes = [I, I, I, I]
                 for fn in (lib.dejavu_sparse_mlp, lib.dejavu_int8_linear_f32, lib.dejavu_linear_f32,
-                           lib.dejavu_set_tuning):
+                           lib.dejavu_q8_linear, lib.dejavu_set_tuning):
                     fn.restype = None
                 _STATE["tuning"] = machine_tuning(lib, path.with_suffix(".tuning.json"))
                 lib.dejavu_set_tuning(*_tuning_args())
@@ -196,26 +197,53 @@ def tuning() -> dict:
     return dict(_STATE.get("tuning") or {})
 
 
-def _tuning_args() -> tuple[int, int, int]:  # dejavu_set_tuning's arguments, in its order
+def apply_tuning(**settings: int) -> None:
+    """Set the kernels' settings, in the C kernels and the C++ ops alike, to the machine's tuning with
+    ``settings`` in place of some (for A/B measurements: ``apply_tuning(int8_prefetch_rows=0)``; no
+    arguments: the machine's tuning again). Not persisted."""
+    unknown = set(settings) - set(TUNING_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown kernel settings {sorted(unknown)}; known: {TUNING_FIELDS}")
+    lib = _load()
+    if lib is None:
+        return
+    values = {**_STATE["tuning"], **settings}
+    args = tuple(int(values[name]) for name in TUNING_FIELDS)
+    lib.dejavu_set_tuning(*args)
+    if "lib" in _OPS:
+        _OPS["lib"].dejavu_set_tuning(*args)
+
+
+TUNING_FIELDS = ("mlp_prefetch_rows", "mlp_prefetch_bytes", "linear_prefetch_rows", "int8_prefetch_rows")
+
+
+def _tuning_args() -> tuple[int, ...]:  # dejavu_set_tuning's arguments: the C struct's fields, in order
     t = _STATE["tuning"]
-    return t["mlp_prefetch_rows"], t["mlp_prefetch_bytes"], t["linear_prefetch_rows"]
+    return tuple(t[name] for name in TUNING_FIELDS)
 
 
-# What machine_tuning tries. Sparse MLP: (rows ahead, bytes per row); dense GEMV: rows ahead.
+# What machine_tuning tries. Sparse MLP: (rows ahead, bytes per row); dense GEMVs: rows ahead.
 MLP_PREFETCH_CHOICES = ((0, 0), (2, 256), (4, 256), (8, 256), (4, 1024), (8, 1024))
 LINEAR_PREFETCH_CHOICES = (0, 2, 8)
+INT8_PREFETCH_CHOICES = (0, 4, 8, 16)
+
+
+def held_tuning(lib) -> dict:
+    """The settings the C kernels hold now: the compiled defaults until dejavu_set_tuning sets others."""
+    return dict(zip(TUNING_FIELDS, (ctypes.c_int64 * len(TUNING_FIELDS)).in_dll(lib, "dejavu_tuning")))
 
 
 def machine_tuning(lib, path: Path) -> dict:
     """The prefetch settings that run fastest on this machine, measured once per built library and
     cached beside it (``*.tuning.json``; delete it to measure again). About a second: a sparse MLP
-    at density 0.25 and a dense GEMV over weights larger than a 32 MiB last-level cache, each
-    setting timed interleaved with the others, medians of 7 rounds. ``DEJAVU_CPU_TUNE=0`` keeps the
-    compiled defaults."""
+    at density 0.25, a dense GEMV over weights larger than a 32 MiB last-level cache and an int8 GEMV
+    (``quantize_weights``' format) over the same weights as int8, each setting timed interleaved with
+    the others, medians of 7 rounds. ``DEJAVU_CPU_TUNE=0`` keeps the compiled defaults; a file without
+    a setting (written before it existed) takes the value the kernels hold (the compiled default)."""
     import json
 
-    compiled = (ctypes.c_int64 * 3).in_dll(lib, "dejavu_tuning")  # the C struct's three int64 fields, in order
-    defaults = dict(zip(("mlp_prefetch_rows", "mlp_prefetch_bytes", "linear_prefetch_rows"), compiled))
+    compiled = (ctypes.c_int64 * len(TUNING_FIELDS)).in_dll(lib, "dejavu_tuning")  # the C struct's int64 fields
+    defaults = held_tuning(lib)
     if os.environ.get("DEJAVU_CPU_TUNE", "1") == "0":
         return defaults
     try:
@@ -244,6 +272,17 @@ def machine_tuning(lib, path: Path) -> dict:
         w = weights[i]
         lib.dejavu_linear_f32(x.data_ptr(), 1, d, w.data_ptr(), d, 3 * n, None, out.data_ptr(), threads, setting)
 
+    # the fp32 weights' bytes read as int8 rows 4 * d wide: the same bytes as the other two measure
+    group, d8 = 32, 4 * d
+    int8 = [(w.view(torch.int8).reshape(3 * n, d8), torch.rand(3 * n, d8 // group, generator=gen)) for w in weights]
+    x8, xq, inv = torch.randn(1, d8, generator=gen), torch.empty(d8, dtype=torch.int16), torch.empty(1)
+
+    def int8_linear(setting, i):
+        compiled[TUNING_FIELDS.index("int8_prefetch_rows")] = setting  # the kernel reads it from the struct
+        q, scales = int8[i]
+        lib.dejavu_q8_linear(x8.data_ptr(), 1, d8, q.data_ptr(), 3 * n, scales.data_ptr(), group, None,
+                             out.data_ptr(), xq.data_ptr(), inv.data_ptr(), threads)
+
     def fastest(run, choices):
         times = {c: [] for c in choices}
         for rep in range(8):
@@ -257,7 +296,9 @@ def machine_tuning(lib, path: Path) -> dict:
 
     mlp_rows, mlp_bytes = fastest(mlp, MLP_PREFETCH_CHOICES)
     settings = {"mlp_prefetch_rows": mlp_rows, "mlp_prefetch_bytes": mlp_bytes,
-                "linear_prefetch_rows": fastest(linear, LINEAR_PREFETCH_CHOICES)}
+                "linear_prefetch_rows": fastest(linear, LINEAR_PREFETCH_CHOICES),
+                "int8_prefetch_rows": fastest(int8_linear, INT8_PREFETCH_CHOICES)}
+    lib.dejavu_set_tuning(*defaults.values())  # measuring the int8 GEMV wrote its setting into the struct
     try:
         path.write_text(json.dumps(settings))
     except OSError:  # a read-only cache: measured again next time
@@ -309,8 +350,9 @@ def load_ops() -> bool:
                 ops_path = _build(cxx, OPS_SOURCE, flags, libs, key_extra=torch.__version__)
                 torch.ops.load_library(str(ops_path))
                 if lib is not None:  # the machine's tuning (the C++ ops hold their own copy of it)
-                    set_tuning = ctypes.CDLL(str(ops_path)).dejavu_set_tuning
-                    set_tuning.argtypes, set_tuning.restype = [ctypes.c_int64] * 3, None
+                    _OPS["lib"] = ctypes.CDLL(str(ops_path))
+                    set_tuning = _OPS["lib"].dejavu_set_tuning
+                    set_tuning.argtypes, set_tuning.restype = [ctypes.c_int64] * len(TUNING_FIELDS), None
                     set_tuning(*_tuning_args())
                 _register_fakes()
                 _OPS["loaded"] = True
