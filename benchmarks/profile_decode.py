@@ -94,14 +94,16 @@ def main(argv=None) -> int:
         variants = {name: variants[name] for name in keep}
     original = model.forward
     forwards = {name: wrap(original) for name, (wrap, _) in variants.items()}
+    shared = set()  # variants running another's compiled forward: they compile nothing in the warm-up
     if args.weights == "int8":  # the same compiled step with the int8 GEMV's software prefetch off
-        variants["dejavu exact, no int8 prefetch"] = variants["dejavu exact"]
-        forwards["dejavu exact, no int8 prefetch"] = _with_tuning(forwards["dejavu exact"], int8_prefetch_rows=0)
+        no_prefetch = "dejavu exact, no int8 prefetch"
+        variants[no_prefetch] = variants["dejavu exact"]
+        forwards[no_prefetch] = _with_tuning(forwards["dejavu exact"], int8_prefetch_rows=0)
         forwards["dejavu exact"] = _with_tuning(forwards["dejavu exact"])
+        shared.add(no_prefetch)
     timed = []
     for name, forward in forwards.items():  # each forward under generate(), then in a plain loop
-        # a variant sharing another's compiled forward compiles nothing of its own in the warm-up
-        timed.append(Variant(name, lambda _, f=forward: f, compiled=name != "dejavu exact, no int8 prefetch"))
+        timed.append(Variant(name, lambda _, f=forward: f, compiled=name not in shared))
         timed.append(Variant(f"{name}, plain", run=lambda n, f=forward: _plain_steps(model, f, ids, n), compiled=False))
     speed = measure_decode(model, ids, timed, new_tokens=33, repeats=args.repeats)
     for name, (_, step_bytes) in variants.items():

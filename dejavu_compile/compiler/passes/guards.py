@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 
 from dejavu_compile.compiler.passes.graph_utils import param_name, sdpa_arguments
+from dejavu_compile.compiler.passes.match import int8_reason
 from dejavu_compile.compiler.passes.plan_check import check_plan_against_blocks
 
 
@@ -65,9 +66,9 @@ class PlanCheck:
             ctx.stop()
             return gm
         check_plan_against_blocks(plan, match.blocks)
-        for where, why in match.fallbacks:  # asked for sparsity where none can apply: say so, not only in the report
-            if where == "int8 projections":
-                warnings.warn(f"dejavu: {why}; the sparsity plan is not applied to them", stacklevel=2)
+        if match.int8_projections:  # asked for sparsity where none can apply: say so, not only in the report
+            warnings.warn(f"dejavu: {int8_reason(match.int8_projections)}; the sparsity plan is not applied to them",
+                          stacklevel=2)
         if not match.blocks:
             ctx.stop("no MLP or attention block matched")
             return gm

@@ -15,6 +15,8 @@ class MatchResult:
     blocks: list[Block] = field(default_factory=list)
     fallbacks: list[tuple[str, str]] = field(default_factory=list)
     layers: set[int] = field(default_factory=set)  # decoder layers that own projections
+    # quantize_weights' projections (dejavu::cpu_q8_linear calls): no rule matches them, so no plan reaches them
+    int8_projections: int = 0
 
     @property
     def mlp(self) -> list[MLPBlock]:
@@ -96,11 +98,17 @@ def match_blocks(gm: fx.GraphModule, rules=None) -> MatchResult:
         if result.layers:
             for layer in sorted(result.layers - have):
                 result.fallbacks.append((f"layer {layer}", f"no {kind} block matched in this layer"))
-    int8 = sum(1 for n in gm.graph.nodes if n.op == "call_function" and "cpu_q8_linear" in str(n.target))
-    if int8:  # quantize_weights' projections are no linears to the rules: say why their blocks stay dense
-        result.fallbacks.append(("int8 projections", f"{int8} projections with int8 weights (quantize_weights): "
-                                                     "sparse plans do not reach them yet, they compile dense"))
+    result.int8_projections = sum(1 for n in gm.graph.nodes
+                                  if n.op == "call_function" and "cpu_q8_linear" in str(n.target))
+    if result.int8_projections:  # quantize_weights' projections are no linears to the rules: say why they stay dense
+        result.fallbacks.append(("int8 projections", int8_reason(result.int8_projections)))
     return result
+
+
+def int8_reason(count: int) -> str:
+    """Why a graph's int8 projections stay dense (the fallback reported, and the warning under a plan)."""
+    return (f"{count} projections with int8 weights (quantize_weights): sparse plans do not reach them yet, "
+            "they compile dense")
 
 
 class MatchPass:

@@ -197,6 +197,9 @@ def tuning() -> dict:
     return dict(_STATE.get("tuning") or {})
 
 
+TUNING_FIELDS = ("mlp_prefetch_rows", "mlp_prefetch_bytes", "linear_prefetch_rows", "int8_prefetch_rows")
+
+
 def apply_tuning(**settings: int) -> None:
     """Set the kernels' settings, in the C kernels and the C++ ops alike, to the machine's tuning with
     ``settings`` in place of some (for A/B measurements: ``apply_tuning(int8_prefetch_rows=0)``; no
@@ -207,19 +210,17 @@ def apply_tuning(**settings: int) -> None:
     lib = _load()
     if lib is None:
         return
-    values = {**_STATE["tuning"], **settings}
-    args = tuple(int(values[name]) for name in TUNING_FIELDS)
+    args = _tuning_args(**settings)
     lib.dejavu_set_tuning(*args)
     if "lib" in _OPS:
         _OPS["lib"].dejavu_set_tuning(*args)
 
 
-TUNING_FIELDS = ("mlp_prefetch_rows", "mlp_prefetch_bytes", "linear_prefetch_rows", "int8_prefetch_rows")
-
-
-def _tuning_args() -> tuple[int, ...]:  # dejavu_set_tuning's arguments: the C struct's fields, in order
-    t = _STATE["tuning"]
-    return tuple(t[name] for name in TUNING_FIELDS)
+def _tuning_args(**settings: int) -> tuple[int, ...]:
+    """dejavu_set_tuning's arguments (the C struct's fields, in order): the machine's tuning, with
+    ``settings`` in place of some."""
+    values = {**_STATE["tuning"], **settings}
+    return tuple(int(values[name]) for name in TUNING_FIELDS)
 
 
 # What machine_tuning tries. Sparse MLP: (rows ahead, bytes per row); dense GEMVs: rows ahead.
@@ -228,9 +229,14 @@ LINEAR_PREFETCH_CHOICES = (0, 2, 8)
 INT8_PREFETCH_CHOICES = (0, 4, 8, 16)
 
 
+def _tuning_struct(lib):
+    """The library's C struct dejavu_tuning as an array of its int64 fields (TUNING_FIELDS' order), writable."""
+    return (ctypes.c_int64 * len(TUNING_FIELDS)).in_dll(lib, "dejavu_tuning")
+
+
 def held_tuning(lib) -> dict:
     """The settings the C kernels hold now: the compiled defaults until dejavu_set_tuning sets others."""
-    return dict(zip(TUNING_FIELDS, (ctypes.c_int64 * len(TUNING_FIELDS)).in_dll(lib, "dejavu_tuning")))
+    return dict(zip(TUNING_FIELDS, _tuning_struct(lib)))
 
 
 def machine_tuning(lib, path: Path) -> dict:
@@ -242,7 +248,6 @@ def machine_tuning(lib, path: Path) -> dict:
     a setting (written before it existed) takes the value the kernels hold (the compiled default)."""
     import json
 
-    compiled = (ctypes.c_int64 * len(TUNING_FIELDS)).in_dll(lib, "dejavu_tuning")  # the C struct's int64 fields
     defaults = held_tuning(lib)
     if os.environ.get("DEJAVU_CPU_TUNE", "1") == "0":
         return defaults
@@ -276,9 +281,10 @@ def machine_tuning(lib, path: Path) -> dict:
     group, d8 = 32, 4 * d
     int8 = [(w.view(torch.int8).reshape(3 * n, d8), torch.rand(3 * n, d8 // group, generator=gen)) for w in weights]
     x8, xq, inv = torch.randn(1, d8, generator=gen), torch.empty(d8, dtype=torch.int16), torch.empty(1)
+    struct = _tuning_struct(lib)
 
     def int8_linear(setting, i):
-        compiled[TUNING_FIELDS.index("int8_prefetch_rows")] = setting  # the kernel reads it from the struct
+        struct[TUNING_FIELDS.index("int8_prefetch_rows")] = setting  # the kernel reads it from the struct
         q, scales = int8[i]
         lib.dejavu_q8_linear(x8.data_ptr(), 1, d8, q.data_ptr(), 3 * n, scales.data_ptr(), group, None,
                              out.data_ptr(), xq.data_ptr(), inv.data_ptr(), threads)
