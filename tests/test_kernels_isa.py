@@ -41,6 +41,7 @@ def test_kernels_on_the_avx2_build():
              "tests/test_quantized_weights.py::test_cpu_q8_linear_bad_input_and_opcheck",
              "tests/test_q8_sparse_mlp.py::test_cpu_q8_sparse_mlp_matches_float64_of_its_weights",
              "tests/test_q8_sparse_mlp.py::test_kept_neuron_values_are_the_dense_int8_projections_to_the_bit",
+             "tests/test_q8_glu_mlp.py::test_cpu_q8_glu_mlp_keeps_the_top_k_and_matches_float64",
              "tests/test_decode_attention.py::test_decode_attention_matches_float64"]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=1200)

@@ -21,6 +21,11 @@
 //       the neuron-sparse MLP over int8 weights in that format: the kept neurons' gate and up rows
 //       (the dense projections' own values, to the bit) and their rows of the down weight stored
 //       transposed, (n, d_out), quantized along d_out;
+//   cpu_q8_glu_mlp(x, q_a, s_a, q_b, s_b, q_down_t, s_down_t, k, activation, b_down?) -> ((B, d_out), (B, k) ids)
+//       a gated MLP of int8 projections chosen and valued by its own gate and up: every neuron's
+//       act(g) * u (the dense projections' values, to the bit), the top k by magnitude, and their
+//       rows of the down weight's own int8 values and scales, transposed ((n, d_out) and
+//       (n / group, d_out)): a kept neuron adds what it adds in the dense int8 block;
 //   cpu_screened_linear(x, w, w_int8, scale, k, b?) -> (..., n)
 //       the output head screened by an int8 copy of its rows: the top k of each row recomputed from w;
 //   cpu_decode_attention(q, k, v, attn_mask?, scale?) -> (B, H, L, D)
@@ -449,6 +454,51 @@ at::Tensor cpu_q8_sparse_mlp(const at::Tensor& x_in, const at::Tensor& q_a, cons
   return out.rounded();
 }
 
+std::tuple<at::Tensor, at::Tensor> cpu_q8_glu_mlp(const at::Tensor& x_in, const at::Tensor& q_a, const at::Tensor& s_a,
+                                                  const at::Tensor& q_b, const at::Tensor& s_b,
+                                                  const at::Tensor& q_down_t, const at::Tensor& s_down_t, int64_t k,
+                                                  c10::string_view activation,
+                                                  const std::optional<at::Tensor>& b_down) {
+  const int act = activation_code(activation);
+  TORCH_CHECK(x_in.dim() == 2, "x must be (batch, d), got ", x_in.sizes());
+  const int64_t group = q8_group(q_a, s_a, "cpu_q8_glu_mlp (gate)");
+  const int64_t nb = x_in.size(0), n = q_a.size(0), d = q_a.size(1);
+  TORCH_CHECK(x_in.size(1) == d, "cpu_q8_glu_mlp: x (batch, ", d, ") expected, got ", x_in.sizes());
+  TORCH_CHECK(q8_group(q_b, s_b, "cpu_q8_glu_mlp (up)") == group && q_b.sizes() == q_a.sizes(),
+              "cpu_q8_glu_mlp: up must have gate's shape ", q_a.sizes(), " and group size ", group);
+  TORCH_CHECK(q_down_t.device().is_cpu() && q_down_t.scalar_type() == at::kChar && q_down_t.dim() == 2 &&
+                  q_down_t.size(0) == n && q_down_t.is_contiguous() && q_down_t.size(1) % 32 == 0,
+              "cpu_q8_glu_mlp: q_down_t must be contiguous int8 (", n, ", d_out) with d_out a multiple of 32, got ",
+              q_down_t.scalar_type(), " ", q_down_t.sizes());
+  const int64_t d_out = q_down_t.size(1);
+  check_cpu(s_down_t, "s_down_t", at::kFloat);
+  TORCH_CHECK(s_down_t.dim() == 2 && s_down_t.size(1) == d_out && s_down_t.size(0) >= 1 &&
+                  n % s_down_t.size(0) == 0 && s_down_t.is_contiguous(),
+              "cpu_q8_glu_mlp: s_down_t must be contiguous float32 (groups, ", d_out, ") with groups dividing ", n,
+              ", got ", s_down_t.sizes());
+  const int64_t down_group = n / s_down_t.size(0);
+  TORCH_CHECK(k >= 1 && k <= n, "k must be in [1, ", n, "], got ", k);
+  const at::ScalarType dtype = x_in.scalar_type();
+  const at::Tensor x = checked_input(x_in, "x");
+  at::Tensor keep_d;
+  const float* pd = bias_ptr(b_down, "b_down", d_out, dtype, keep_d);
+  const int threads = at::get_num_threads();
+  const at::TensorOptions f32 = x.options().dtype(at::kFloat);
+  at::Tensor values = at::empty({nb, n}, f32);
+  at::Tensor x_int16 = at::empty({nb, d}, x.options().dtype(at::kShort));
+  at::Tensor x_scale = at::empty({nb}, f32);
+  dejavu_q8_glu_values(fp32_values(x, x_buffer), nb, d, q_a.data_ptr<int8_t>(), s_a.data_ptr<float>(),
+                       q_b.data_ptr<int8_t>(), s_b.data_ptr<float>(), group, n, act, values.data_ptr<float>(),
+                       x_int16.data_ptr<int16_t>(), x_scale.data_ptr<float>(), threads);
+  at::Tensor idx = topk_rows(values, k, true);
+  at::Tensor out = at::empty({nb, d_out}, f32);
+  at::Tensor scratch = at::empty({2 * threads * d_out}, f32);
+  dejavu_q8_down_rows(values.data_ptr<float>(), n, idx.data_ptr<int64_t>(), nb, k, q_down_t.data_ptr<int8_t>(),
+                      s_down_t.data_ptr<float>(), n, d_out, down_group, pd, out.data_ptr<float>(),
+                      scratch.data_ptr<float>(), threads);
+  return {in_dtype(out, dtype), idx};
+}
+
 at::Tensor cpu_screened_linear(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& w_int8,
                                const at::Tensor& scale, int64_t k, const std::optional<at::Tensor>& b) {
   TORCH_CHECK(w.dim() == 2 && x_in.dim() >= 1 && x_in.size(-1) == w.size(1), "cpu_screened_linear: x (..., ",
@@ -562,6 +612,8 @@ TORCH_LIBRARY_FRAGMENT(dejavu, m) {
   m.def("cpu_q8_sparse_mlp(Tensor x, Tensor q_a, Tensor s_a, Tensor? q_b, Tensor? s_b, Tensor q_down_t, "
         "Tensor s_down_t, Tensor idx, str activation, Tensor? b_a=None, Tensor? b_b=None, Tensor? b_down=None) "
         "-> Tensor");
+  m.def("cpu_q8_glu_mlp(Tensor x, Tensor q_a, Tensor s_a, Tensor q_b, Tensor s_b, Tensor q_down_t, Tensor s_down_t, "
+        "int k, str activation, Tensor? b_down=None) -> (Tensor, Tensor)");
   m.def("cpu_decode_attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, float? scale=None) -> Tensor");
 }
 
@@ -573,5 +625,6 @@ TORCH_LIBRARY_IMPL(dejavu, CPU, m) {
   m.impl("cpu_screened_linear", &cpu_screened_linear);
   m.impl("cpu_q8_linear", &cpu_q8_linear);
   m.impl("cpu_q8_sparse_mlp", &cpu_q8_sparse_mlp);
+  m.impl("cpu_q8_glu_mlp", &cpu_q8_glu_mlp);
   m.impl("cpu_decode_attention", &cpu_decode_attention);
 }

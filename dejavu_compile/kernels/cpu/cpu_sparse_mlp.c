@@ -742,6 +742,96 @@ void dejavu_q8_sparse_mlp(const float *x, int64_t nb, int64_t d, int64_t d_out,
     }
 }
 
+/* ---- The int8 MLP chosen and valued by its own gate and up ---------------------------------------
+
+   A gated MLP of quantize_weights' int8 projections under a sparse plan: its own gate and up are the
+   predictor. Every neuron's h = act(g) * u is computed (g and u bit-equal to the dense int8
+   projections'), the k largest |h| of each row are kept (cpu_ops.cpp), and only their rows of the
+   down weight are read. The down weight is read as its own int8 values transposed, (n, d_out), with
+   its scales transposed, (n / group, d_out): the `group` consecutive neurons that share one scale in
+   the dense projection's rows share one row of scales here, so a kept neuron adds exactly what it
+   adds in the dense int8 projection (no second rounding). */
+
+/* values[b * n + r] = act(g_r) * u_r for every neuron r < n: q_a (gate), q_b (up) (n, d) int8 rows
+   with scales (n, d / group); x (nb, d) quantized into xq / inv (nb * d int16, nb floats) as
+   dejavu_q8_linear quantizes it. */
+void dejavu_q8_glu_values(const float *x, int64_t nb, int64_t d, const int8_t *q_a, const float *s_a,
+                          const int8_t *q_b, const float *s_b, int64_t group, int64_t n, int activation,
+                          float *values, int16_t *xq, float *inv, int n_threads) {
+    for (int64_t b = 0; b < nb; b++) inv[b] = quantize_x_bits(x + b * d, d, 15, xq + b * d);
+    const int64_t groups = d / group, ahead = dejavu_tuning.int8_prefetch_rows;
+#pragma omp parallel for num_threads(n_threads) schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        if (ahead > 0 && r + ahead < n) {
+            prefetch(q_a + (r + ahead) * d, d, d);
+            prefetch(q_b + (r + ahead) * d, d, d);
+            prefetch(s_a + (r + ahead) * groups, groups * 4, groups * 4);
+            prefetch(s_b + (r + ahead) * groups, groups * 4, groups * 4);
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            float g, u;
+            dot2_q8_groups(q_a + r * d, q_b + r * d, xq + b * d, s_a + r * groups, s_b + r * groups, d, group, &g, &u);
+            values[b * n + r] = activate(inv[b] * g, activation) * (inv[b] * u);
+        }
+    }
+}
+
+static inline int64_t first_at_least(const int64_t *ids, int64_t k, int64_t value) {
+    int64_t lo = 0, hi = k;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        if (ids[mid] < value) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+/* out[b] = sum_j h[b * h_stride + r] * deq(down)[:, r] + bias, r = idx[b * k + j] for j < k (ascending
+   in each row): q_t (n, d_out) the down weight's int8 values transposed, s_t (n / group, d_out) its
+   scales transposed; d_out a multiple of 32; bias NULL or (d_out,). Threads split the groups of
+   neurons; within a group the kept rows are summed unscaled, four per pass, then scaled once by the
+   group's row of scales. scratch: 2 * n_threads * d_out floats; out (nb, d_out). */
+void dejavu_q8_down_rows(const float *h, int64_t h_stride, const int64_t *idx, int64_t nb, int64_t k,
+                         const int8_t *q_t, const float *s_t, int64_t n, int64_t d_out, int64_t group,
+                         const float *bias, float *out, float *scratch, int n_threads) {
+    const int64_t ahead = dejavu_tuning.mlp_prefetch_rows, groups = n / group;
+    static const float one = 1.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t *ids = idx + b * k;
+        const float *hb = h + b * h_stride;
+#pragma omp parallel num_threads(n_threads)
+        {
+            const int t = omp_get_thread_num(), n_t = omp_get_num_threads();
+            const int64_t lo = first_at_least(ids, k, groups * t / n_t * group);
+            const int64_t hi = first_at_least(ids, k, groups * (t + 1) / n_t * group);
+            float *acc = scratch + (int64_t)t * d_out, *part = scratch + (int64_t)(n_t + t) * d_out;
+            memset(acc, 0, sizeof(float) * d_out);
+            for (int64_t j = lo; j < hi;) {
+                const int64_t g = ids[j] / group;
+                int64_t end = j;
+                while (end < hi && ids[end] / group == g) end++;
+                memset(part, 0, sizeof(float) * d_out);
+                while (j < end) {
+                    const int n_rows = end - j < 4 ? (int)(end - j) : 4;
+                    const int8_t *rows[4];
+                    const float *ones[4] = {&one, &one, &one, &one};
+                    float v[4];
+                    for (int u = 0; u < n_rows; u++) {
+                        rows[u] = q_t + ids[j + u] * d_out;
+                        v[u] = hb[ids[j + u]];
+                        if (ahead > 0 && j + u + ahead < hi) prefetch(q_t + ids[j + u + ahead] * d_out, d_out, d_out);
+                    }
+                    axpy_q8_rows(part, v, rows, ones, n_rows, d_out, d_out);
+                    j += n_rows;
+                }
+                const float *scale = s_t + g * d_out;
+                for (int64_t i = 0; i < d_out; i++) acc[i] += part[i] * scale[i];
+            }
+#pragma omp barrier
+            sum_partials(scratch, d_out, bias, d_out, out + b * d_out, t, n_t);
+        }
+    }
+}
+
 /* out[b] = sum_j h[b * h_stride + r] * table[r] + bias, r = idx[b * k + j] for j < k: the down
    projection of neurons whose values are already known (plan entries with values "predictor": the
    int8 predictor's act(g~) * u~), each selected row of the transposed down weight read once, in

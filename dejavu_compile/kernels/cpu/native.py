@@ -415,6 +415,14 @@ def _register_fakes() -> None:
             raise ValueError("q_a, q_b and q_down_t must be int8 (n, width)")  # sizes: the C++ kernel checks them
         return x.new_empty(x.shape[0], q_down_t.shape[1])
 
+    @torch.library.register_fake("dejavu::cpu_q8_glu_mlp")
+    def _(x, q_a, s_a, q_b, s_b, q_down_t, s_down_t, k, activation, b_down=None):
+        C.check_x(x)
+        C.check_activation(activation)
+        if any(q.dtype != torch.int8 or q.dim() != 2 for q in (q_a, q_b, q_down_t)):
+            raise ValueError("q_a, q_b and q_down_t must be int8 (n, width)")  # sizes: the C++ kernel checks them
+        return x.new_empty(x.shape[0], q_down_t.shape[1]), x.new_empty(x.shape[0], k, dtype=torch.int64)
+
     @torch.library.register_fake("dejavu::cpu_screened_linear")
     def _(x, w, w_int8, scale, k, b=None):
         if w_int8.dtype != torch.int8 or w_int8.dim() != 2 or scale.dim() != 1:  # sizes: the C++ kernel checks them
