@@ -6,10 +6,11 @@ at each of its weight formats beside llama.cpp at its formats of the same weight
     python benchmarks/frontier.py --llama1b   # results/frontier-llama1b.json: the byte bounds (below)
 
 dejavu: the model in fp32, in bf16 (``model.to(torch.bfloat16)``) and in int8
-(``quantize_weights(model, "int8")`` over fp32), each exact (the backend with no plan), and fp32 and
-bf16 under the default plan (the plan ``dejavu-compile demo`` uses; sparse plans do not yet reach
-int8 blocks). llama.cpp (``pip install -e .[peers]``, which builds it from source): the bundled
-GGUF, whose values the torch model loads, requantized to F32, BF16, Q8_0, Q6_K, Q4_K_M and Q4_0.
+(``quantize_weights(model, "int8")`` over fp32), each exact (the backend with no plan) and under the
+default plan (the plan ``dejavu-compile demo`` uses; in the int8 model its k per layer, each MLP's
+own int8 gate/up choosing the kept neurons, attention and the output head dense). llama.cpp
+(``pip install -e .[peers]``, which builds it from source): the bundled GGUF, whose values the torch
+model loads, requantized to F32, BF16, Q8_0, Q6_K, Q4_K_M and Q4_0.
 
 Speed: every variant through ``generate()`` (a static cache for the torch models, llama-cpp-python's
 own loop for llama.cpp), batch 1, greedy, the same prompt, rounds interleaved, medians
@@ -23,12 +24,13 @@ that no faster point of the same runtime beats on perplexity).
 
 ``--llama1b``: a Llama-3.2-1B-shaped model (random weights, 16 layers, hidden 2048, 8192 MLP neurons,
 32 heads over 8 KV heads, a tied 128,256-row head), where the weights, not the per-step overhead,
-set the pace: bf16 and int8, exact, and bf16 sparse (the default plan's method on these weights:
-each MLP's training-free int8 predictor built from its own gate/up rows, values from it, at
-``--llama1b-densities``, with the output head screened), each against its byte bound: the bytes
+set the pace: bf16 and int8, exact and sparse at ``--llama1b-densities`` (bf16: the default plan's
+method on these weights, each MLP's training-free int8 predictor built from its own gate/up rows,
+values from it, the output head screened; int8: the same k, each MLP's own int8 gate/up choosing and
+valuing its kept neurons, the head dense), each against its byte bound: the bytes
 its step reads (``bandwidth.bandwidth_bound`` of the plan) over the rate the backend's dense GEMV
 reads this model's weights at, measured once before the decode rounds. Speed only: random weights
-have no perplexity to speak of. Sparse plans do not yet reach int8 blocks.
+have no perplexity to speak of.
 """
 from __future__ import annotations
 
@@ -136,7 +138,7 @@ def llama1b(args, info: dict) -> dict:
         dense_bytes = step_weight_bytes(m)
         variants.append(Variant(f"dejavu {fmt} exact", compiled_forward("dejavu"), model=m))
         reads[variants[-1].name] = (fmt, dense_bytes, None)
-        for density, plan in plans.items() if fmt == "bf16" else ():
+        for density, plan in plans.items():
             variants.append(Variant(f"dejavu {fmt} MLP density {density:.2f}",
                                     compiled_forward("dejavu", options={"plan": plan}), model=m))
             reads[variants[-1].name] = (fmt, dense_bytes / bandwidth_bound(m, plan), density)
@@ -209,8 +211,6 @@ def main(argv=None) -> int:
     variants = []
     for fmt, m in models.items():
         for config, wrap, p in (("exact", exact, None), ("default plan", planned, plan)):
-            if p is not None and fmt == "int8":
-                continue
             name = f"dejavu {fmt} {config}"
             configs[name] = ("dejavu", fmt, config, p)
             variants.append(Variant(name, wrap, model=m))

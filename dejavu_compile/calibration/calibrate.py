@@ -179,6 +179,7 @@ def calibrate(
     """
     _check_choices(predictor, values, allocation)
     _check_collection(tokenizer, samples, max_tokens, seq_len)
+    _check_float_weights(model)
     check_down_rows(down_rows)
     if head_candidates is None:
         head = model.get_output_embeddings()
@@ -227,6 +228,19 @@ def _check_choices(predictor: str, values: str, allocation: str) -> None:
         raise ValueError(f"values must be 'auto', 'exact' or 'predictor', got {values!r}")
     if allocation not in ("auto", "uniform", "greedy"):
         raise ValueError(f"allocation must be 'auto', 'uniform' or 'greedy', got {allocation!r}")
+
+
+def _check_float_weights(model) -> None:
+    """calibrate fits predictors to float weights: a model of quantize_weights' int8 projections is
+    refused (its gated MLPs need no predictor: ``options={"mlp_density": ...}`` uses their own int8
+    gate/up, or calibrate the float model before quantizing it)."""
+    from dejavu_compile.compiler.quantize import Int8Linear
+
+    if any(isinstance(m, Int8Linear) for m in model.modules()):
+        raise ValueError("calibrate fits predictors to float weights, and this model holds int8 projections "
+                         "(quantize_weights): calibrate the float model before quantizing it, or compile the int8 "
+                         "model with options={'mlp_density': ...}, whose int8 MLPs choose their neurons with their "
+                         "own gate/up")
 
 
 def _check_collection(tokenizer, samples, max_tokens, seq_len) -> None:

@@ -27,6 +27,13 @@ class WeightRef:
     bias: str | None = None
     node: fx.Node | None = field(default=None, repr=False, compare=False)
     bias_node: fx.Node | None = field(default=None, repr=False, compare=False)
+    # quantize_weights' int8 projections: ``name``/``node`` are the int8 values, these their scales
+    scales: str | None = None
+    scales_node: fx.Node | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def int8(self) -> bool:
+        return self.scales is not None
 
     def describe(self) -> str:
         text = self.name
@@ -34,6 +41,8 @@ class WeightRef:
             text += f"[{self.rows[0]}:{self.rows[1]}]"
         if self.layout == "in_out":
             text += " (Conv1D)"
+        if self.int8:
+            text += " (int8)"
         return text
 
 

@@ -18,8 +18,10 @@ multiple of ``group_size`` keeps its float weight and is reported, as is any mod
 (its looked-up rows decode to the float dtype it had; subclasses, which may scale or offset their
 rows, keep their float weight and are reported); an embedding tied to the output head shares the
 head's int8 values and scales, so the model holds one int8 copy where it held one float one.
-Sparse plans do not yet apply to the quantized projections: the blocks they hold are no longer
-matched, and they compile dense.
+Sparse plans reach the gated MLPs of int8 projections (``options={"mlp_density": ...}``, or a plan's
+k per layer): each block's own int8 gate and up choose its kept neurons and give their values, and
+only their rows of the down weight are read (``dejavu::cpu_q8_glu_mlp``); attention and the output
+head stay dense, reported.
 """
 from __future__ import annotations
 

@@ -18,7 +18,10 @@ by its int8 copy, the top k of each row exact), ``cpu_q8_linear(x, q, scales, b)
 stored as int8 with per-group scales, ``compiler/quantize.py``'s format) and
 ``cpu_q8_sparse_mlp(x, q_a, s_a, q_b, s_b, q_down_t, s_down_t, idx, activation, b_a, b_b, b_down)``
 (the sparse MLP over weights in that format: the kept neurons' gate and up rows, their rows of the
-down weight stored transposed and quantized along its output).
+down weight stored transposed and quantized along its output) and
+``cpu_q8_glu_mlp(x, q_a, s_a, q_b, s_b, q_down_t, s_down_t, k, activation, b_down)`` (a gated MLP of
+that format chosen and valued by its own gate and up, the down weight's own int8 values and scales
+read transposed).
 
 Weight layouts are prepared once with ``prepare_gated_mlp_weights`` and ``prepare_mlp_weights``.
 Triton launchers live in ``triton/`` (imported on first CUDA use, so this package imports without

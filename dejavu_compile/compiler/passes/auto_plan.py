@@ -1,11 +1,13 @@
 """Pass ``auto_plan``: option ``mlp_density`` without a plan builds the training-free int8 plan from
 the weights the graph computes with.
 
-Each matched gated MLP gets the registry's training-free predictor (its own gate/up rows in int8; nothing is
-fitted, so no data is needed) keeping ``mlp_density`` of its neurons, rounded as ``calibrate``'s
-uniform allocation rounds it, and takes the kept neurons' values from the predictor where the block
+Each matched gated MLP of float weights gets the registry's training-free predictor (its own gate/up
+rows in int8; nothing is fitted, so no data is needed) keeping ``mlp_density`` of its neurons, rounded
+as ``calibrate``'s uniform allocation rounds it, and takes the kept neurons' values from the predictor where the block
 has no gate/up biases: the plan ``calibrate(model, tokenizer, mlp_density=...)`` makes by default on
-CPU, output head screen and bf16 down rows included. Plain MLPs and attention stay dense. Entries
+CPU, output head screen and bf16 down rows included. A gated MLP of quantize_weights' int8
+projections gets an entry with k only: its own int8 gate/up choose the kept neurons (``sparse_mlp``).
+Plain MLPs and attention stay dense. Entries
 are cached per block weights (and their version), so a model's prefill, decode and recompiled
 graphs share one int8 copy.
 
@@ -55,6 +57,10 @@ def gated_entry(block: MLPBlock, values: dict, density: float) -> PlanEntry:
         return cached[key]
     total = block.intermediate_size
     k = rules.uniform_k(total, density, rules.k_multiple(total))
+    if block.gate.int8:  # quantize_weights' int8 gate/up choose and value the kept neurons themselves
+        entry = PlanEntry(block.layer, "mlp", k, total, activation=block.activation)
+        cached[key] = entry
+        return entry
     # the int8 rows hold no biases: a block with gate/up biases computes its kept neurons exactly
     values_from = "predictor" if block.gate.bias_node is None and block.up.bias_node is None else "exact"
     kind = predictors.training_free_kind()

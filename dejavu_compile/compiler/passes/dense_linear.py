@@ -23,7 +23,7 @@ import math
 import torch
 import torch.fx as fx
 
-from dejavu_compile.compiler.passes.graph_utils import example_value, find_linears
+from dejavu_compile.compiler.passes.graph_utils import example_value, find_linears, int8_projection_ops
 from dejavu_compile.compiler.passes.guards import needs_gradients, training_reason
 from dejavu_compile.compiler.passes.lowering import dense_kernel
 
@@ -110,15 +110,10 @@ class DenseLinearPass:
 
 def _decode_int8_projection(node: fx.Node) -> bool:
     """A ``dejavu::cpu_q8_linear`` call with at most ``MAX_ROWS`` rows of input."""
-    if node.op != "call_function" or node.target not in _int8_projection_ops():
+    if node.op != "call_function" or node.target not in int8_projection_ops():
         return False
     rows = _rows(example_value(node.args[0]))
     return rows is not None and 1 <= rows <= MAX_ROWS
-
-
-def _int8_projection_ops() -> tuple:
-    op = getattr(torch.ops.dejavu, "cpu_q8_linear", None)
-    return (op, op.default) if op is not None else ()
 
 
 def _erase_unused(graph: fx.Graph, nodes) -> None:

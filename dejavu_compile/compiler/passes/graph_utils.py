@@ -215,6 +215,9 @@ class LinearCall:
     layout: str  # "out_in" | "in_out"
     weight_name: str
     bias_name: str | None
+    # quantize_weights' int8 projections (dejavu::cpu_q8_linear): weight is the int8 (out, in) values,
+    # scales their per-group fp32 scales; None for float weights
+    scales: fx.Node | None = None
 
     @property
     def out_features(self) -> int:
@@ -239,10 +242,33 @@ def _see_through_flatten(node: fx.Node) -> fx.Node:
     return node
 
 
-def as_linear(node: fx.Node) -> LinearCall | None:
-    """Recognise ``linear(x, W, b)`` and ``addmm(b, x.view(-1, in), W).view(...)``."""
+def int8_projection_ops() -> tuple:
+    """``dejavu::cpu_q8_linear`` as a graph may call it (the packet or its overload); () before the
+    C++ ops load."""
+    op = getattr(torch.ops.dejavu, "cpu_q8_linear", None) if hasattr(torch.ops, "dejavu") else None
+    return (op, op.default) if op is not None else ()
+
+
+def _int8_linear(node: fx.Node) -> LinearCall | None:
+    """``cpu_q8_linear(x, q, scales, b)``: quantize_weights' int8 projection, (out, in) like nn.Linear."""
+    x, q, scales = (list(node.args) + [None] * 3)[:3]
+    bias = node.args[3] if len(node.args) > 3 else node.kwargs.get("b")
+    qname, sname = _weight_param(q), _weight_param(scales)
+    if qname is None or sname is None or not isinstance(x, fx.Node):
+        return None
+    bname = _weight_param(bias) if isinstance(bias, fx.Node) else None
+    if isinstance(bias, fx.Node) and bname is None:
+        return None
+    return LinearCall(node, node, x, q, bias, "out_in", qname, bname, scales=scales)
+
+
+def as_linear(node: fx.Node, int8: bool = False) -> LinearCall | None:
+    """Recognise ``linear(x, W, b)`` and ``addmm(b, x.view(-1, in), W).view(...)``; with ``int8``,
+    also quantize_weights' ``cpu_q8_linear(x, q, scales, b)`` (a LinearCall with ``scales``)."""
     if node.op != "call_function":
         return None
+    if int8 and node.target in int8_projection_ops():
+        return _int8_linear(node)
     if node.target in LINEAR_TARGETS:
         x = node.args[0]
         weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
@@ -292,11 +318,12 @@ def _matmul_linear(node: fx.Node) -> LinearCall | None:
     return LinearCall(node, out, x, w, bias, layout, wname, bname)
 
 
-def find_linears(gm: fx.GraphModule) -> dict[fx.Node, LinearCall]:
-    """All projections of the graph, keyed by their output node."""
+def find_linears(gm: fx.GraphModule, int8: bool = False) -> dict[fx.Node, LinearCall]:
+    """All projections of the graph, keyed by their output node; quantize_weights' int8 ones only
+    with ``int8`` (a pass that reads a projection's weight as floats must not see them)."""
     found = {}
     for node in gm.graph.nodes:
-        lin = as_linear(node)
+        lin = as_linear(node, int8)
         if lin is not None:
             found[lin.out] = lin
     return found

@@ -8,7 +8,6 @@ import torch
 import torch.fx as fx
 
 from dejavu_compile.compiler.passes.graph_utils import param_name, sdpa_arguments
-from dejavu_compile.compiler.passes.match import int8_reason
 from dejavu_compile.compiler.passes.plan_check import check_plan_against_blocks
 
 
@@ -55,8 +54,9 @@ class TrainingGuard:
 
 class PlanCheck:
     """The plan fits the matched blocks (else :class:`PlanMismatchError`, which reaches the user);
-    no plan, or no block matched: the run ends here. A plan over a graph of int8 projections
-    (``quantize_weights``), which no sparse rewrite reaches, warns. Counts the blocks with a sparse plan entry."""
+    no plan, or no block matched: the run ends here. A plan with sparse entries for blocks of int8
+    projections (``quantize_weights``) that no sparse rewrite reaches (attention) warns. Counts the
+    blocks with a sparse plan entry."""
 
     name = "plan_check"
 
@@ -66,9 +66,11 @@ class PlanCheck:
             ctx.stop()
             return gm
         check_plan_against_blocks(plan, match.blocks)
-        if match.int8_projections:  # asked for sparsity where none can apply: say so, not only in the report
-            warnings.warn(f"dejavu: {int8_reason(match.int8_projections)}; the sparsity plan is not applied to them",
-                          stacklevel=2)
+        refused = sorted(key for key in match.int8_dense if _sparse_entry(plan, key) is not None)
+        if refused:  # asked for sparsity where none can apply: say so, not only in the report
+            warnings.warn(f"dejavu: the plan's sparse entries for {', '.join(f'layer {l} {k}' for l, k in refused)} "
+                          "are not applied: these blocks hold int8 weights (quantize_weights), whose sparse path "
+                          "covers gated MLPs only", stacklevel=2)
         if not match.blocks:
             ctx.stop("no MLP or attention block matched")
             return gm
@@ -99,5 +101,7 @@ class DecodeShapeGuard:
 
 
 def _sparse_entry(plan, block):
-    entry = plan.entries.get((block.layer, block.kind))
+    """The plan's sparse entry for a block (or a (layer, kind) key), None when dense or absent."""
+    key = block if isinstance(block, tuple) else (block.layer, block.kind)
+    entry = plan.entries.get(key)
     return entry if entry is not None and not entry.dense else None

@@ -7,7 +7,14 @@ from functools import cached_property
 import torch.fx as fx
 
 from dejavu_compile.compiler.blocks import AttentionBlock, Block, MLPBlock, WeightRef
-from dejavu_compile.compiler.passes.graph_utils import LinearCall, find_linears, is_op, layer_index, to_networkx
+from dejavu_compile.compiler.passes.graph_utils import (
+    LinearCall,
+    find_linears,
+    is_op,
+    layer_index,
+    param_name,
+    to_networkx,
+)
 
 
 @dataclass
@@ -15,8 +22,10 @@ class MatchResult:
     blocks: list[Block] = field(default_factory=list)
     fallbacks: list[tuple[str, str]] = field(default_factory=list)
     layers: set[int] = field(default_factory=set)  # decoder layers that own projections
-    # quantize_weights' projections (dejavu::cpu_q8_linear calls): no rule matches them, so no plan reaches them
+    # quantize_weights' projections (dejavu::cpu_q8_linear calls) outside the int8 MLP blocks matched:
+    # attention, output head, blocks mixing int8 and float projections; no plan reaches them
     int8_projections: int = 0
+    int8_dense: set[tuple[int, str]] = field(default_factory=set)  # (layer, kind) of the blocks dropped for it
 
     @property
     def mlp(self) -> list[MLPBlock]:
@@ -32,7 +41,7 @@ class MatchContext:
 
     def __init__(self, gm: fx.GraphModule):
         self.gm = gm
-        self.linears: dict[fx.Node, LinearCall] = find_linears(gm)
+        self.linears: dict[fx.Node, LinearCall] = find_linears(gm, int8=True)
         self._claims: dict[fx.Node, Block] = {}
         self._claimed_nodes: set[fx.Node] = set()
         self._fallbacks: dict[fx.Node, tuple[str, str]] = {}
@@ -55,7 +64,8 @@ class MatchContext:
 
     def weight_ref(self, lin: LinearCall, rows) -> WeightRef:
         return WeightRef(name=lin.weight_name, layout=lin.layout, rows=rows, bias=lin.bias_name,
-                         node=lin.weight, bias_node=lin.bias)
+                         node=lin.weight, bias_node=lin.bias,
+                         scales=None if lin.scales is None else param_name(lin.scales), scales_node=lin.scales)
 
     @staticmethod
     def see_through(node: fx.Node) -> fx.Node:
@@ -98,17 +108,37 @@ def match_blocks(gm: fx.GraphModule, rules=None) -> MatchResult:
         if result.layers:
             for layer in sorted(result.layers - have):
                 result.fallbacks.append((f"layer {layer}", f"no {kind} block matched in this layer"))
-    result.int8_projections = sum(1 for n in gm.graph.nodes
-                                  if n.op == "call_function" and "cpu_q8_linear" in str(n.target))
-    if result.int8_projections:  # quantize_weights' projections are no linears to the rules: say why they stay dense
+    _keep_int8_mlp_blocks_only(result)
+    in_blocks = {ref.node for b in result.blocks for ref in b.weights.values()}
+    result.int8_projections = sum(1 for lin in ctx.linears.values() if lin.scales is not None
+                                  and lin.weight not in in_blocks)
+    if result.int8_projections:
         result.fallbacks.append(("int8 projections", int8_reason(result.int8_projections)))
     return result
 
 
+def _keep_int8_mlp_blocks_only(result: MatchResult) -> None:
+    """quantize_weights' int8 projections take a sparse path in gated MLPs only (``sparse_mlp``): an
+    attention block of int8 projections, or a block mixing int8 and float ones, is dropped from the
+    match and stays dense, reported."""
+    kept = []
+    for block in result.blocks:
+        int8 = [ref.int8 for ref in block.weights.values()]
+        if any(int8) and (not all(int8) or block.kind != "mlp"):
+            what = "mixes int8 and float projections" if not all(int8) else "has int8 projections"
+            result.fallbacks.append((block.module, f"{block.kind} block {what} (quantize_weights): no sparse "
+                                                   "path for it, dense"))
+            result.int8_dense.add((block.layer, block.kind))
+            continue
+        kept.append(block)
+    result.blocks = kept
+
+
 def int8_reason(count: int) -> str:
-    """Why a graph's int8 projections stay dense (the fallback reported, and the warning under a plan)."""
-    return (f"{count} projections with int8 weights (quantize_weights): sparse plans do not reach them yet, "
-            "they compile dense")
+    """Why a graph's int8 projections outside its int8 MLP blocks stay dense (the fallback reported, and
+    the warning under a plan)."""
+    return (f"{count} projections with int8 weights (quantize_weights) outside gated MLP blocks (attention, "
+            "output head): sparse plans do not reach them, they compile dense")
 
 
 class MatchPass:

@@ -87,6 +87,56 @@ def rewrite_mlp(gm, graph, block: MLPBlock, entry, ordered, values, report, opts
                             f"{' (lookahead)' if source is not x else ''}")
 
 
+def int8_mlp_reason(block: MLPBlock) -> str | None:
+    """Why a block of quantize_weights' int8 projections stays dense under a sparse entry, or None:
+    the int8 path (``cpu_q8_glu_mlp``, and its masked simulation) takes gated blocks whose gate and
+    up are whole projections without biases, with an activation of the kernels' table."""
+    if not block.gated:
+        return "a plain MLP of int8 projections: no sparse path for it, dense"
+    if block.gate.rows is not None or block.up.rows is not None:
+        return "gate and up fused in one int8 projection: no sparse path for it, dense"
+    if block.gate.bias_node is not None or block.up.bias_node is not None:
+        return "int8 gate/up projections with biases: no sparse path for them, dense"
+    if block.activation not in KERNEL_ACTIVATIONS:
+        return f"activation {block.activation!r} has no sparse kernel"
+    return None
+
+
+def int8_down_rows(gm, graph, block: MLPBlock, values, prefix: str) -> tuple[fx.Node, fx.Node]:
+    """The down projection's own int8 values and scales, transposed ((F, d_out) and (F / group, d_out),
+    contiguous): one row per neuron, as ``cpu_q8_glu_mlp`` reads them. Copies the compiled graph
+    holds, built once per weight."""
+    q, scales = values[block.down.node], values[block.down.scales_node]
+    q_t = weight_copy(q, "int8 rows transposed", lambda w: w.t().contiguous())
+    s_t = weight_copy(scales, "int8 scales transposed", lambda w: w.t().contiguous())
+    return add_constant(gm, graph, f"{prefix}_q_down_t", q_t), add_constant(gm, graph, f"{prefix}_s_down_t", s_t)
+
+
+def rewrite_int8_mlp(gm, graph, block: MLPBlock, entry, values, report) -> None:
+    """A gated MLP of quantize_weights' int8 projections: one ``cpu_q8_glu_mlp`` call in place of the
+    block. Its own int8 gate and up choose the kept neurons (the top k of |act(g) * u|, computed as the
+    dense int8 projections compute them) and give their values; only those rows of the down weight
+    are read. The entry's k is used; a predictor it carries is not: the block's own weights are the
+    exact predictor for its format, and no second copy is read."""
+    x = block.nodes.input
+    prefix = f"dejavu_L{block.layer}_mlp"
+    with graph.inserting_before(block.nodes.down):
+        x2d = graph.call_method("reshape", (x, -1, shape_of(x)[-1]))
+        q_down_t, s_down_t = int8_down_rows(gm, graph, block, values, prefix)
+        both = graph.call_function(torch.ops.dejavu.cpu_q8_glu_mlp.default,
+                                   (x2d, block.gate.node, block.gate.scales_node, block.up.node,
+                                    block.up.scales_node, q_down_t, s_down_t, entry.k, block.activation,
+                                    block.down.bias_node))
+        out = graph.call_function(operator.getitem, (both, 0))
+        both.meta["dejavu"] = {"role": "predictor", "layer": block.layer, "kind": "mlp", "reads": x.name,
+                               "lookahead": False}
+        out.meta["dejavu"] = {"role": "sparse_mlp", "layer": block.layer, "k": entry.k}
+    _replace_block(graph, block, out)
+    ignored = f", its own int8 gate/up in place of the plan's {entry.predictor} predictor" if entry.predictor else ""
+    report.rewritten.append(f"layer {block.layer} mlp: {entry.k}/{entry.total} neurons, int8 weights "
+                            f"(chosen and valued by its own gate/up{ignored})")
+
+
 def _replace_block(graph, block: MLPBlock, out: fx.Node) -> None:
     """The block's output becomes `out` ((tokens, d), reshaped to the input's leading dims); the
     dense block's nodes go."""
@@ -173,6 +223,9 @@ def simulate_mlp(gm, graph, block: MLPBlock, entry, plan, ordered, values, repor
     predictor's values, with the plan's rounded down rows where the op reads that copy). Exact per
     token, any number of tokens; reads every weight."""
     hidden = block.nodes.hidden
+    if block.up.int8:
+        _simulate_int8_mlp(graph, block, entry, report, fallbacks)
+        return
     from_predictor = takes_predictor_values(block, entry, fallbacks)
     if from_predictor:  # the predictor's own values, masked: what cpu_glu_int8_mlp sums
         x = block.nodes.input
@@ -194,6 +247,28 @@ def simulate_mlp(gm, graph, block: MLPBlock, entry, plan, ordered, values, repor
     copy_note = _round_down_rows(gm, graph, block, plan, values) if from_predictor else ""
     report.rewritten.append(f"layer {block.layer} mlp: masked simulation, {entry.k}/{entry.total} neurons"
                             f"{', values from the int8 predictor' if from_predictor else ''}{copy_note}")
+
+
+def _simulate_int8_mlp(graph, block: MLPBlock, entry, report, fallbacks) -> None:
+    """``rewrite_int8_mlp`` as a mask: the dense int8 block's hidden values, all but the k largest
+    |act(g) * u| of each token zeroed, into its dense int8 down projection."""
+    reason = int8_mlp_reason(block)
+    if reason is not None:
+        fallbacks.append((block.module, reason))
+        return
+    hidden = block.nodes.hidden
+    with graph.inserting_before(hidden.next):
+        flat = graph.call_method("reshape", (hidden, -1, block.intermediate_size))
+        magnitude = graph.call_method("abs", (flat,))
+        top = graph.call_function(torch.topk, (magnitude, entry.k), {"dim": -1, "sorted": False})
+        idx = graph.call_function(operator.getitem, (top, 1))
+        zeros = graph.call_function(torch.zeros_like, (flat,))
+        ones = graph.call_function(torch.ones_like, (idx,), {"dtype": torch.float32})
+        mask = graph.call_function(torch.scatter, (zeros, -1, idx, graph.call_method("type_as", (ones, flat))))
+        masked = graph.call_method("view_as", (graph.call_function(operator.mul, (flat, mask)), hidden))
+    hidden.replace_all_uses_with(masked, delete_user_cb=lambda user: user not in (flat, masked))
+    report.rewritten.append(f"layer {block.layer} mlp: masked simulation, {entry.k}/{entry.total} neurons, int8 "
+                            "weights (chosen by its own gate/up)")
 
 
 def _round_down_rows(gm, graph, block: MLPBlock, plan, values) -> str:
@@ -229,10 +304,16 @@ class SparseMLPPass:
             entry = plan.entries.get((block.layer, "mlp"))
             if entry is None or entry.dense:
                 continue
-            if block.activation not in KERNEL_ACTIVATIONS:
+            if block.up.int8:
+                reason = int8_mlp_reason(block)
+                if reason is not None:
+                    match.fallbacks.append((block.module, reason))
+                    continue
+                rewrite_int8_mlp(gm, graph, block, entry, values, ctx.report)
+            elif block.activation not in KERNEL_ACTIVATIONS:
                 match.fallbacks.append((block.module, f"activation {block.activation!r} has no sparse kernel"))
                 continue
-            if takes_predictor_values(block, entry, match.fallbacks):
+            elif takes_predictor_values(block, entry, match.fallbacks):
                 rewrite_mlp_from_predictor(gm, graph, block, entry, values, ctx.report, ctx.opts)
             else:
                 rewrite_mlp(gm, graph, block, entry, ordered, values, ctx.report, ctx.opts)

@@ -484,12 +484,12 @@ std::tuple<at::Tensor, at::Tensor> cpu_q8_glu_mlp(const at::Tensor& x_in, const 
   const float* pd = bias_ptr(b_down, "b_down", d_out, dtype, keep_d);
   const int threads = at::get_num_threads();
   const at::TensorOptions f32 = x.options().dtype(at::kFloat);
-  at::Tensor values = at::empty({nb, n}, f32);
+  at::Tensor values = at::empty({nb, n}, f32), up = at::empty({nb, n}, f32);
   at::Tensor x_int16 = at::empty({nb, d}, x.options().dtype(at::kShort));
   at::Tensor x_scale = at::empty({nb}, f32);
   dejavu_q8_glu_values(fp32_values(x, x_buffer), nb, d, q_a.data_ptr<int8_t>(), s_a.data_ptr<float>(),
                        q_b.data_ptr<int8_t>(), s_b.data_ptr<float>(), group, n, act, values.data_ptr<float>(),
-                       x_int16.data_ptr<int16_t>(), x_scale.data_ptr<float>(), threads);
+                       up.data_ptr<float>(), x_int16.data_ptr<int16_t>(), x_scale.data_ptr<float>(), threads);
   at::Tensor idx = topk_rows(values, k, true);
   at::Tensor out = at::empty({nb, d_out}, f32);
   at::Tensor scratch = at::empty({2 * threads * d_out}, f32);
