@@ -220,7 +220,32 @@ def bench_q8_mlp(shape, reps, densities, timer):
         row.update(dense_GBps=dense_gbps, sparse_GBps=layer_bytes * k / ff / row["sparse_ms"] / 1e6,
                    dense_gemv_ms=row["dense_ms"], efficiency_vs_gemv=row["efficiency"], dense_gemv_GBps=dense_gbps)
         rows.append(row)
+        rows.append(_bench_q8_glu(layers, x, k, ff, h0, timer, reps, dense, layer_bytes))
     return rows
+
+
+def _bench_q8_glu(layers, x, k, ff, h0, timer, reps, dense, layer_bytes):
+    """dejavu::cpu_q8_glu_mlp, what the compiler emits for a gated int8 MLP: its own gate and up read
+    whole (they choose the k neurons), the kept rows of the down weight's int8 values transposed.
+    Its byte count is 2/3 + k / (3 ff) of the block's, so it is measured against that share of the
+    dense GEMVs' time ("share_of_byte_bound")."""
+    op = torch.ops.dejavu.cpu_q8_glu_mlp
+    transposed = [(p["down"][0].t().contiguous(), p["down"][1].t().contiguous()) for p in layers]
+
+    def glu(i):
+        p = layers[i]
+        return op(x, *p["gate"], *p["up"], *transposed[i], k, "silu", None)
+
+    row = summarize("gated_mlp/q8 own gate-up", k, ff, *interleaved(timer, dense, glu, reps, len(layers)))
+    share = 2 / 3 + k / (3 * ff)
+    row.update(bytes_share=share, share_of_byte_bound=row["speedup"] * share,
+               sparse_GBps=layer_bytes * share / row["sparse_ms"] / 1e6)
+    out, idx = op(x, *layers[0]["gate"], *layers[0]["up"], *transposed[0], k, "silu", None)
+    from dejavu_compile.compiler.quantize import dequantize_rows_grouped
+
+    ref = (h0.gather(1, idx) @ dequantize_rows_grouped(*layers[0]["down"]).T[idx[0]])
+    row["rel_err"] = ((out - ref).abs().max() / ref.abs().max()).item()
+    return row
 
 
 def bench_cpu_paths(shape, dtype, device, reps, densities, timer, paths):

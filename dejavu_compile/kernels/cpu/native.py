@@ -277,17 +277,21 @@ def machine_tuning(lib, path: Path) -> dict:
         w = weights[i]
         lib.dejavu_linear_f32(x.data_ptr(), 1, d, w.data_ptr(), d, 3 * n, None, out.data_ptr(), threads, setting)
 
-    # the fp32 weights' bytes read as int8 rows 4 * d wide: the same bytes as the other two measure
-    group, d8 = 32, 4 * d
-    int8 = [(w.view(torch.int8).reshape(3 * n, d8), torch.rand(3 * n, d8 // group, generator=gen)) for w in weights]
+    # the fp32 weights' bytes read as int8 rows of 512: the same bytes as the other two measure, in rows
+    # as short as a small model's (SmolLM2's are 576 bytes), where the prefetch matters: the hardware
+    # prefetcher ramps up within a long row by itself, so long rows measured noise
+    group, d8 = 32, 512
+    rows8 = 3 * n * d * 4 // d8
+    int8 = [(w.view(torch.int8).reshape(rows8, d8), torch.rand(rows8, d8 // group, generator=gen)) for w in weights]
     x8, xq, inv = torch.randn(1, d8, generator=gen), torch.empty(d8, dtype=torch.int16), torch.empty(1)
+    out8 = torch.empty(1, rows8)
     struct = _tuning_struct(lib)
 
     def int8_linear(setting, i):
         struct[TUNING_FIELDS.index("int8_prefetch_rows")] = setting  # the kernel reads it from the struct
         q, scales = int8[i]
-        lib.dejavu_q8_linear(x8.data_ptr(), 1, d8, q.data_ptr(), 3 * n, scales.data_ptr(), group, None,
-                             out.data_ptr(), xq.data_ptr(), inv.data_ptr(), threads)
+        lib.dejavu_q8_linear(x8.data_ptr(), 1, d8, q.data_ptr(), rows8, scales.data_ptr(), group, None,
+                             out8.data_ptr(), xq.data_ptr(), inv.data_ptr(), threads)
 
     def fastest(run, choices):
         times = {c: [] for c in choices}
