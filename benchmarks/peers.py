@@ -10,7 +10,7 @@ Variants (the model in --dtype, fp32 by default; batch 1, greedy, static cache, 
   (freezing + cpp_wrapper);
 - dejavu exact: the backend with no plan, every layer dense (projections through its GEMV kernel);
 - dejavu default plan: the plan ``dejavu-compile demo`` uses (calibrated on first use, then cached;
-  left out with int8 weights, whose blocks sparse plans do not yet reach);
+  left out with int8 weights: ``benchmarks/frontier.py`` measures the int8 model under it);
 - both dejavu variants again through ``dejavu_compile.greedy_decode`` (the same compiled forward, a
   greedy loop without ``generate()``'s per-token Python), and through it with ``skip_guards=True``
   (Dynamo's guards skipped after the second decode step);

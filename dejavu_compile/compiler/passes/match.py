@@ -135,8 +135,7 @@ def _keep_int8_mlp_blocks_only(result: MatchResult) -> None:
 
 
 def int8_reason(count: int) -> str:
-    """Why a graph's int8 projections outside its int8 MLP blocks stay dense (the fallback reported, and
-    the warning under a plan)."""
+    """Why a graph's int8 projections outside its int8 MLP blocks stay dense (the fallback reported)."""
     return (f"{count} projections with int8 weights (quantize_weights) outside gated MLP blocks (attention, "
             "output head): sparse plans do not reach them, they compile dense")
 
