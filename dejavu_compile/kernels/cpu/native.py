@@ -95,7 +95,8 @@ def _build(cc: str, source: Path = SOURCE, flags: tuple = FLAGS, libs: tuple = (
         result = subprocess.run([cc, *flags, str(source), "-o", tmp, *libs], capture_output=True, text=True,
                                 timeout=300)
         if result.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {result.stderr.strip()[-2000:]}")
+            # the first error says why (an #error, a missing define); later ones are its echoes
+            raise RuntimeError(f"{cc} failed: {result.stderr.strip()[:3000]}")
         os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
     finally:
         if os.path.exists(tmp):
