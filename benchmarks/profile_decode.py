@@ -33,7 +33,8 @@ import torch
 CATEGORIES = {  # profiler event name -> category; the rest is "other"
     "aten::mm": "weights: projections", "aten::addmm": "weights: projections", "aten::linear": "weights: projections",
     "dejavu::cpu_linear": "weights: projections", "dejavu::cpu_screened_linear": "weights: projections",
-    "dejavu::cpu_q8_linear": "weights: projections",
+    "dejavu::cpu_q8_linear": "weights: projections", "dejavu::cpu_linear_cat": "weights: projections",
+    "dejavu::cpu_q8_linear_cat": "weights: projections", "dejavu::cpu_q8_glu_mlp": "weights: sparse MLP ops",
     "dejavu::cpu_glu_int8_mlp": "weights: sparse MLP ops",
     "dejavu::cpu_sparse_mlp": "weights: sparse MLP ops", "dejavu::cpu_glu_int8_topk": "weights: sparse MLP ops",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)",

@@ -66,6 +66,54 @@ def test_cpu_linear_matches_float64(lead, d, n, layout, bias, threads, seed, dty
                                         f"bound there {bound.flatten()[err.argmax()]:.3e}")
 
 
+@settings(max_examples=100, deadline=None)
+@given(lead=st.sampled_from([(1,), (2, 3), (MAX_ROWS,)]), d=st.integers(1, 140),
+       ns=st.lists(st.integers(1, 70), min_size=1, max_size=4), row_stride=st.booleans(), bias=st.booleans(),
+       threads=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2 ** 16),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_cpu_linear_cat_is_each_projection_concatenated(lead, d, ns, row_stride, bias, threads, seed, dtype):
+    """Sibling projections in one call: within the float64 bound of the concatenated weight, and bit
+    for bit the separate cpu_linear calls side by side (parts straddling the threads' shares, rows a
+    stride apart, 1-3 threads, each dtype)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, d, generator=g).to(dtype)
+    ws = [(torch.randn(n, d + 5, generator=g)[:, 2:2 + d] if row_stride else torch.randn(n, d, generator=g)).to(dtype)
+          for n in ns]
+    bs = [torch.randn(n, generator=g).to(dtype) for n in ns] if bias else None
+    b = torch.cat(bs) if bias else None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.ops.dejavu.cpu_linear_cat(x, ws, b)
+        separate = torch.cat([torch.ops.dejavu.cpu_linear(x, w, bs[i] if bias else None) for i, w in enumerate(ws)], -1)
+    finally:
+        torch.set_num_threads(before)
+    assert out.shape == (*lead, sum(ns)) and out.dtype == dtype
+    assert torch.equal(out, separate)
+    ref, bound = _reference(x, torch.cat(ws), b, dtype)
+    err = (out.double() - ref).abs()
+    assert bool((err <= bound).all()), (f"max error {err.max().item():.3e}, "
+                                        f"bound there {bound.flatten()[err.argmax()]:.3e}")
+
+
+@pytest.mark.parametrize("case", ["many rows", "float64", "transposed weight"])
+def test_cpu_linear_cat_hands_other_calls_to_aten(case):
+    g = torch.Generator().manual_seed(0)
+    x, ws, b = torch.randn(2, 40, generator=g), [torch.randn(24, 40, generator=g), torch.randn(8, 40, generator=g)], \
+        torch.randn(32, generator=g)
+    if case == "many rows":
+        x = torch.randn(MAX_ROWS + 1, 40, generator=g)
+    elif case == "float64":
+        x, ws, b = x.double(), [w.double() for w in ws], b.double()
+    else:
+        ws[1] = torch.randn(40, 8, generator=g).t()
+    expected = torch.cat([F.linear(x, ws[0], b[:24]), F.linear(x, ws[1], b[24:])], -1)
+    assert torch.equal(torch.ops.dejavu.cpu_linear_cat(x, ws, b), expected)
+    with pytest.raises(RuntimeError, match=r"weights \(n, 40\) expected"):
+        torch.ops.dejavu.cpu_linear_cat(x, [ws[0], torch.randn(3, 7)], None)
+    torch.library.opcheck(torch.ops.dejavu.cpu_linear_cat.default, (x, ws, b))
+
+
 SPECIAL_WEIGHTS = {  # signed zeros, subnormals, the extremes: each must widen to its exact value
     torch.float16: [0.0, -0.0, 6e-8, -6e-8, 3e-5, -3e-5, 6.1e-5, 65504.0, -65504.0, 1.0, -2.5],
     torch.bfloat16: [0.0, -0.0, 1e-40, -1e-40, 1.2e-38, -1.2e-38, 3e38, -3e38, 1.0, -2.5],
@@ -136,16 +184,47 @@ def _projections(model) -> int:
     return sum(isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D" for m in model.modules())
 
 
+def _gemv_calls(graph) -> list[int]:
+    """Per dejavu GEMV call in the graph, the projections it computes."""
+    return [len(n.args[1]) if n.target in (torch.ops.dejavu.cpu_linear_cat.default,
+                                           torch.ops.dejavu.cpu_q8_linear_cat.default) else 1
+            for n in dejavu_op_nodes(graph)]
+
+
+# Per layer, the projections that share an input: q, k, v (and gate, up) in one call; GPT-2's
+# c_attn is one Conv1D already, and its weight's (in, out) storage is read by the single GEMV.
+SIBLINGS = {"llama": [3, 1, 2, 1], "opt": [3, 1, 1, 1], "gpt2": [1, 1, 1, 1]}
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "opt"])
 def test_decode_graph_projections_all_go_through_the_gemv(arch):
     """No plan: every projection of a decode graph (attention, MLP, output head; GPT-2's Conv1D
-    addmm as well) becomes cpu_linear, and the logits equal eager's."""
+    addmm as well) goes through the GEMV, sibling projections of one input in one call, and the
+    logits equal eager's; with dense_lowering="unfused", one cpu_linear per projection, the same logits."""
     model = tiny_model(arch, layers=2)
     actual, expected, report = _decode(model, {"inner": "eager"})
     assert report.pass_counts["dense_linear"] == _projections(model)
+    assert _gemv_calls(report.graph) == SIBLINGS[arch] * model.config.num_hidden_layers + [1]
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+    unfused, _, report = _decode(model, {"inner": "eager", "dense_lowering": "unfused"})
     assert [n.target for n in dejavu_op_nodes(report.graph)] == [torch.ops.dejavu.cpu_linear.default] * \
         _projections(model)
-    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+    assert torch.equal(unfused, actual)
+
+
+def test_int8_sibling_projections_share_one_call():
+    """quantize_weights' int8 projections of one input (q, k, v; gate, up) become one
+    cpu_q8_linear_cat call at decode shapes, the logits bit for bit those of separate calls; a
+    prefill graph keeps the model's own calls."""
+    from dejavu_compile import quantize_weights
+
+    model = tiny_model("llama", layers=2)
+    quantize_weights(model)
+    actual, expected, report = _decode(model, {"inner": "eager"})
+    assert _gemv_calls(report.graph) == [3, 2] * model.config.num_hidden_layers
+    assert torch.equal(actual, expected)
+    _, _, report = _decode(model, {"inner": "eager"}, MAX_ROWS + 1)
+    assert _gemv_calls(report.graph) == []
 
 
 def test_prefill_training_and_aten_option_keep_the_traced_projections():

@@ -34,6 +34,8 @@ def test_kernels_on_the_avx2_build():
     assert width.stdout.split() == ["8", "True"], width.stdout + width.stderr
     tests = ["tests/test_dense_linear.py::test_cpu_linear_matches_float64",
              "tests/test_dense_linear.py::test_cpu_linear_reads_every_half_precision_value_exactly",
+             "tests/test_dense_linear.py::test_cpu_linear_cat_is_each_projection_concatenated",
+             "tests/test_quantized_weights.py::test_cpu_q8_linear_cat_is_each_projection_concatenated",
              "tests/test_kernels_cpu_ops.py::test_cpu_sparse_mlp_matches_masked_dense",
              "tests/test_kernels_cpu_ops.py::test_cpu_glu_int8_mlp_sums_the_predictors_values",
              "tests/test_head_screen.py::test_cpu_screened_linear_is_exact_on_the_top_k_of_its_estimates",

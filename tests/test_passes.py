@@ -175,7 +175,8 @@ TRITON_DECODE = textwrap.dedent("""
     # no C++ or custom sparse-MLP op: only the dense projections' GEMV and the decode attention
     # (passes dense_linear and decode_attention) are dejavu ops
     assert {n.target for r in reports for n in dejavu_op_nodes(r.graph)} <= {
-        torch.ops.dejavu.cpu_linear.default, torch.ops.dejavu.cpu_decode_attention.default}
+        torch.ops.dejavu.cpu_linear.default, torch.ops.dejavu.cpu_linear_cat.default,
+        torch.ops.dejavu.cpu_decode_attention.default}
     assert reports[-1].pass_counts["sparse_mlp"] == model.config.num_hidden_layers
     print("triton decode ok")
 """)

@@ -94,6 +94,49 @@ def test_cpu_q8_linear_matches_float64_of_its_weight(lead, groups, group, n, bia
     assert bool((err <= bound).all()), f"max error {err.max().item():.3e} (ratio {(err / bound).max().item():.3g})"
 
 
+@settings(max_examples=60, deadline=None)
+@given(lead=st.sampled_from([(1,), (3,), (1, 1), (40,)]), groups=st.integers(1, 4), group=st.sampled_from(GROUP_SIZES),
+       ns=st.lists(st.integers(1, 70), min_size=1, max_size=4), bias=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), threads=st.sampled_from([1, 2, 3]),
+       seed=st.integers(0, 2**16))
+def test_cpu_q8_linear_cat_is_each_projection_concatenated(lead, groups, group, ns, bias, dtype, threads, seed):
+    """Sibling int8 projections in one call (decode rows, and a prefill's 40 rows through the per-weight
+    path): within the float64 bound of the concatenated weight, and bit for bit the separate
+    cpu_q8_linear calls' outputs side by side, parts whose rows straddle the threads' shares included."""
+    d = groups * group
+    problems = [_q8_problem(seed + i, lead, d, n, bias, dtype, group) for i, n in enumerate(ns)]
+    x = problems[0][0]
+    qs, scales = [p[1] for p in problems], [p[2] for p in problems]
+    b = torch.cat([p[3] for p in problems]) if bias else None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.ops.dejavu.cpu_q8_linear_cat(x, qs, scales, b)
+        separate = torch.cat([torch.ops.dejavu.cpu_q8_linear(x, q, s, p[3])
+                              for q, s, p in zip(qs, scales, problems)], -1)
+    finally:
+        torch.set_num_threads(before)
+    assert out.shape == (*lead, sum(ns)) and out.dtype == dtype
+    assert torch.equal(out, separate)
+    ref, bound = _q8_reference(x, torch.cat(qs), torch.cat(scales), b, dtype)
+    err = (out.double() - ref).abs()
+    assert bool((err <= bound).all()), f"max error {err.max().item():.3e} (ratio {(err / bound).max().item():.3g})"
+
+
+def test_cpu_q8_linear_cat_bad_input_and_opcheck():
+    x, q, scales, b = _q8_problem(0, (2,), 64, 8, True, torch.float32, 32)
+    _, q2, scales2, b2 = _q8_problem(1, (2,), 64, 5, True, torch.float32, 32)
+    op = torch.ops.dejavu.cpu_q8_linear_cat
+    torch.library.opcheck(op.default, (x, [q, q2], [scales, scales2], torch.cat([b, b2])))
+    with pytest.raises(RuntimeError, match="as many scales as weights"):
+        op(x, [q, q2], [scales], None)
+    _, q64, scales64, _ = _q8_problem(2, (2,), 64, 4, False, torch.float32, 64)
+    with pytest.raises(RuntimeError, match="one width and group size"):
+        op(x, [q, q64], [scales, scales64], None)
+    with pytest.raises(RuntimeError, match=r"b must be \(13\)"):
+        op(x, [q, q2], [scales, scales2], b)
+
+
 def test_apply_tuning_sets_both_libraries_and_restores_the_machine_tuning():
     """The C kernels and the C++ ops each hold the settings: an override reaches both and changes no
     value (a prefetch distance only moves reads earlier); no arguments restore the machine's tuning."""

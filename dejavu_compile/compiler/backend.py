@@ -36,8 +36,9 @@ OPTION_DEFAULTS: dict[str, Any] = {
     # a test of the Triton kernels in a whole model); an error where it cannot run. None: cpu_lowering decides
     "lowering": None,
     "simulate": False,  # masked dense simulation of the plan (quality evaluation; any shape, not faster)
-    # dense fp32 projections of CPU decode graphs: "auto" through the C++ GEMV op where it builds
-    # (passes/dense_linear.py), "aten": left to the inner compiler
+    # dense projections of CPU decode graphs: "auto" through the C++ GEMV op where it builds, sibling
+    # projections (q, k, v; gate, up) in one call (passes/dense_linear.py); "unfused": one call per
+    # projection; "aten": left to the inner compiler
     "dense_lowering": "auto",
     # SDPA of CPU decode graphs (at most 16 query rows): "auto" through the kernel table's decode
     # attention (the C++ op, passes/decode_attention.py), "aten": left to the inner compiler. Off by
@@ -98,9 +99,9 @@ def validate_options(options: dict | None) -> dict:
         if merged["lowering"] not in registered_lowerings():
             raise DejavuOptionError(f"option 'lowering' must be None or one of {sorted(registered_lowerings())}, "
                                     f"got {merged['lowering']!r}")
-    for name in ("dense_lowering", "attention_lowering"):
-        if merged[name] not in ("auto", "aten"):
-            raise DejavuOptionError(f"option {name!r} must be 'auto' or 'aten', got {merged[name]!r}")
+    for name, choices in (("dense_lowering", ("auto", "unfused", "aten")), ("attention_lowering", ("auto", "aten"))):
+        if merged[name] not in choices:
+            raise DejavuOptionError(f"option {name!r} must be one of {list(choices)}, got {merged[name]!r}")
     max_batch = merged["max_batch"]
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise DejavuOptionError(f"option 'max_batch' must be a positive int, got {max_batch!r}")

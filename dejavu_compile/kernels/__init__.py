@@ -13,7 +13,9 @@ between Inductor's wrapper and the kernel; see ``cpu/cpu_ops.cpp``):
 ``cpu_glu_int8_topk(x, w_int8, scale, k, activation)`` (the int8 predictor's top k, ascending),
 ``cpu_glu_int8_mlp(x, w_int8, scale, w_down_t, k, activation, b_down)`` (the block from the int8
 predictor's own values, plan entries with values "predictor"), ``cpu_linear(x, w, b)`` (a dense
-projection's GEMV), ``cpu_screened_linear(x, w, w_int8, scale, k, b)`` (an output head screened
+projection's GEMV), ``cpu_linear_cat(x, ws, b)`` and ``cpu_q8_linear_cat(x, qs, scales, b)``
+(projections of one input in one call, outputs concatenated),
+``cpu_screened_linear(x, w, w_int8, scale, k, b)`` (an output head screened
 by its int8 copy, the top k of each row exact), ``cpu_q8_linear(x, q, scales, b)`` (a projection
 stored as int8 with per-group scales, ``compiler/quantize.py``'s format) and
 ``cpu_q8_sparse_mlp(x, q_a, s_a, q_b, s_b, q_down_t, s_down_t, idx, activation, b_a, b_b, b_down)``

@@ -13,12 +13,19 @@ rows of input and a weight with one unit stride (as stored, or transposed by ``p
 others stay as traced. A decode graph that already calls ``dejavu::cpu_q8_linear`` (the projections
 ``quantize_weights(model, "int8")`` leaves) is noted as holding the native entry's ops, so it too is
 compiled under Inductor's C++ wrapper (no Python call per projection). Training
-graphs and graphs that need gradients are left alone (the op has no backward). The option
-``dense_lowering="aten"`` turns the pass off.
+graphs and graphs that need gradients are left alone (the op has no backward).
+
+Sibling projections, those reading the same input (a layer's q, k and v; its gate and up when its
+MLP stays dense), become one call whose outputs are concatenated (``cpu_linear_cat``, and
+``cpu_q8_linear_cat`` for int8 projections), each projection's output a slice of it: one parallel
+region over all their rows, and for int8 one quantization of x, where separate calls pay each once
+per projection. The same products, summed in the same order. ``dense_lowering="unfused"`` keeps one
+call per projection; ``dense_lowering="aten"`` turns the pass off.
 """
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import torch
 import torch.fx as fx
@@ -90,7 +97,15 @@ class DenseLinearPass:
                 if kernel is not None:
                     lowerings.append((lin, kernel))
         graph = gm.graph
-        for lin, kernel in lowerings:
+        fuse = ctx.opts.get("dense_lowering", "auto") != "unfused"
+        singles = []
+        for group in _sibling_groups(graph, lowerings) if fuse else [[item] for item in lowerings]:
+            kernel = group[0][1]
+            if len(group) > 1 and kernel.fills("linear_cat"):
+                _rewrite_siblings(gm, graph, kernel, [lin for lin, _ in group])
+            else:
+                singles.extend(group)
+        for lin, kernel in singles:
             weight, last = lin.weight, lin.out
             if lin.layout == "in_out":  # (d, n) as stored: the op takes the (n, d) view
                 with graph.inserting_after(last):
@@ -100,12 +115,67 @@ class DenseLinearPass:
             out.meta.update({k: v for k, v in lin.out.meta.items() if k in ("example_value", "val", "stack_trace")})
             lin.out.replace_all_uses_with(out)
             _erase_unused(graph, [lin.out, lin.call, *lin.call.all_input_nodes])
-        if any(_decode_int8_projection(node) for node in graph.nodes):
+        int8 = [lin for lin in find_linears(gm, int8=True).values()
+                if lin.scales is not None and _decode_int8_projection(lin.call)]
+        if int8:
             owner = dense_kernel("linear", ctx.opts, None)  # the CPU entry of the dense GEMV, whose ops these are
             if owner is not None:
                 owner.note(gm)
+                if fuse and owner.fills("linear_cat"):
+                    for group in _sibling_groups(graph, [(lin, owner) for lin in int8]):
+                        if len(group) > 1:
+                            _rewrite_siblings(gm, graph, owner, [lin for lin, _ in group])
         ctx.count(self.name, len(lowerings))
         return gm
+
+
+def _sibling_groups(graph: fx.Graph, lowerings: list) -> list[list]:
+    """The (projection, kernel) pairs grouped by what one concatenated call can take: the same input
+    node, kernel and weight dtype, (out, in) weights with unit-stride rows, all with a bias or none,
+    int8 weights of one group size, and every input defined before the group's first call (the call
+    goes there). Groups keep graph order; a pair no other joins is a group of one."""
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    groups: dict = defaultdict(list)
+    for lin, kernel in lowerings:
+        weight = example_value(lin.weight)
+        fusable = (lin.layout == "out_in" and isinstance(weight, torch.Tensor) and weight.dim() == 2
+                   and weight.stride(-1) == 1)
+        group_size = None
+        if fusable and lin.scales is not None:
+            scales = example_value(lin.scales)
+            fusable = isinstance(scales, torch.Tensor) and scales.dim() == 2 and scales.shape[1] > 0
+            group_size = weight.shape[1] // scales.shape[1] if fusable else None
+        key = (lin.x, kernel.name, weight.dtype, lin.bias is None, group_size) if fusable else id(lin)
+        groups[key].append((lin, kernel))
+    result = []
+    for members in groups.values():
+        members.sort(key=lambda item: position[item[0].call])
+        first = position[members[0][0].call]
+        joined = [m for m in members if all(position[a] < first for a in _inputs(m[0]))]
+        result.extend([joined] if len(joined) > 1 else [[m] for m in joined])
+        result.extend([m] for m in members if m not in joined)
+    return result
+
+
+def _inputs(lin) -> list[fx.Node]:
+    return [n for n in (lin.x, lin.weight, lin.bias, lin.scales) if n is not None]
+
+
+def _rewrite_siblings(gm: fx.GraphModule, graph: fx.Graph, kernel, group: list) -> None:
+    """One concatenated call before the group's first projection; each projection's output becomes
+    its slice of the result."""
+    with graph.inserting_before(group[0].call):
+        bias = graph.call_function(torch.cat, ([lin.bias for lin in group],)) if group[0].bias is not None else None
+        scales = [lin.scales for lin in group] if group[0].scales is not None else None
+        out = kernel.use(gm, "linear_cat")(graph, group[0].x, [lin.weight for lin in group], scales, bias)
+        start = 0
+        for lin in group:
+            part = graph.call_function(torch.narrow, (out, -1, start, lin.out_features))
+            part.meta.update({k: v for k, v in lin.out.meta.items() if k in ("example_value", "val", "stack_trace")})
+            lin.out.replace_all_uses_with(part)
+            start += lin.out_features
+    for lin in group:
+        _erase_unused(graph, [lin.out, lin.call, *lin.call.all_input_nodes])
 
 
 def _decode_int8_projection(node: fx.Node) -> bool:

@@ -4,7 +4,8 @@ A :class:`KernelLowering` says where it runs (device types, dtypes, an availabil
 priority, and how it writes each role it fills into the graph (``ROLE_HOOKS``): the sparse MLP
 (``emit_mlp``), the int8 predictor's scoring and top-k (``emit_int8_topk``), the whole block from
 the int8 predictor's values (``emit_int8_values_mlp``), the dense decode GEMV (``emit_linear``,
-pass ``dense_linear``), the screened output head (``emit_screened_linear``, pass ``head_screen``) and
+pass ``dense_linear``) and its form for sibling projections of one input (``emit_linear_cat``), the
+screened output head (``emit_screened_linear``, pass ``head_screen``) and
 decode-step attention (``emit_decode_attention``, pass ``decode_attention``). A role no applicable
 entry fills keeps its aten form. A new backend is one folder of kernels (registering
 ``torch.ops.dejavu.*``) plus one :func:`register_lowering`.
@@ -12,7 +13,8 @@ entry fills keeps its aten form. A new backend is one folder of kernels (registe
 Built-in entries:
 
 - ``native``: the C++ ops of the kernels package (``torch.ops.dejavu.cpu_sparse_mlp``,
-  ``cpu_glu_int8_topk``, ``cpu_glu_int8_mlp``, ``cpu_linear``, ``cpu_screened_linear``,
+  ``cpu_glu_int8_topk``, ``cpu_glu_int8_mlp``, ``cpu_linear``, ``cpu_linear_cat``,
+  ``cpu_q8_linear_cat``, ``cpu_screened_linear``,
   ``cpu_decode_attention``), CPU fp32, bf16 or fp16 (weights read as stored,
   sums in fp32), weight rows contiguous; called straight from Inductor's wrapper code, no Python
   per call.
@@ -95,6 +97,14 @@ class EmitLinear(Protocol):
         """A dense projection of x (..., d) by weight (n, d) (one unit stride): (..., n)."""
 
 
+class EmitLinearCat(Protocol):
+    def __call__(self, graph: fx.Graph, x: fx.Node, weights: list[fx.Node], scales: Optional[list[fx.Node]],
+                 bias: Optional[fx.Node]) -> fx.Node:
+        """Several projections of the same x (..., d), their outputs concatenated: (..., sum n_i).
+        weights (n_i, d) with unit-stride rows in x's dtype, or int8 with their group scales
+        (quantize_weights' format) when scales is given; bias the concatenated bias or None."""
+
+
 class EmitScreenedLinear(Protocol):
     def __call__(self, graph: fx.Graph, x: fx.Node, weight: fx.Node, q: fx.Node, scale: fx.Node, k: int,
                  bias: Optional[fx.Node]) -> fx.Node:
@@ -111,7 +121,7 @@ class EmitDecodeAttention(Protocol):
 
 # The roles a kernel table entry may fill, and the hook that fills each.
 ROLE_HOOKS = {"mlp": "emit_mlp", "int8_topk": "emit_int8_topk", "int8_values_mlp": "emit_int8_values_mlp",
-              "linear": "emit_linear", "screened_head": "emit_screened_linear",
+              "linear": "emit_linear", "linear_cat": "emit_linear_cat", "screened_head": "emit_screened_linear",
               "decode_attention": "emit_decode_attention"}
 
 
@@ -119,7 +129,8 @@ ROLE_HOOKS = {"mlp": "emit_mlp", "int8_topk": "emit_int8_topk", "int8_values_mlp
 class KernelLowering:
     """One kernel backend's entry in the table: where it runs, its priority, and a hook per role it
     fills (``ROLE_HOOKS``: the sparse MLP, the int8 predictor's scores + top-k, the whole MLP from the
-    int8 predictor's values, the dense GEMV, the screened output head, decode attention). Among the entries that apply
+    int8 predictor's values, the dense GEMV, sibling projections' GEMV in one call, the screened output
+    head, decode attention). Among the entries that apply
     to a block, the automatic choice takes the highest ``priority``; ``automatic=False`` entries run
     only when the ``lowering`` option names them, and ``auto_inner`` limits the automatic choice to
     some inner compilers. ``cpp_wrapper``: its ops are C++ ops that Inductor's C++ wrapper calls with
@@ -137,6 +148,7 @@ class KernelLowering:
     emit_int8_topk: Optional[EmitInt8TopK] = None
     emit_int8_values_mlp: Optional[EmitInt8ValuesMLP] = None
     emit_linear: Optional[EmitLinear] = None
+    emit_linear_cat: Optional[EmitLinearCat] = None
     emit_screened_linear: Optional[EmitScreenedLinear] = None
     emit_decode_attention: Optional[EmitDecodeAttention] = None
     cpp_wrapper: bool = False
@@ -322,6 +334,12 @@ def emit_native_linear(graph, x, weight, bias) -> fx.Node:
     return graph.call_function(torch.ops.dejavu.cpu_linear.default, (x, weight, bias))
 
 
+def emit_native_linear_cat(graph, x, weights, scales, bias) -> fx.Node:
+    if scales is None:
+        return graph.call_function(torch.ops.dejavu.cpu_linear_cat.default, (x, list(weights), bias))
+    return graph.call_function(torch.ops.dejavu.cpu_q8_linear_cat.default, (x, list(weights), list(scales), bias))
+
+
 def emit_native_screened_linear(graph, x, weight, q, scale, k, bias) -> fx.Node:
     return graph.call_function(torch.ops.dejavu.cpu_screened_linear.default, (x, weight, q, scale, k, bias))
 
@@ -378,7 +396,8 @@ register_lowering(KernelLowering("native", ("cpu",), (torch.float32, torch.bfloa
                                  emit_native, priority=30, needs_contiguous_rows=True,
                                  emit_int8_topk=emit_native_int8_topk,
                                  emit_int8_values_mlp=emit_native_int8_values_mlp,
-                                 emit_linear=emit_native_linear, emit_screened_linear=emit_native_screened_linear,
+                                 emit_linear=emit_native_linear, emit_linear_cat=emit_native_linear_cat,
+                                 emit_screened_linear=emit_native_screened_linear,
                                  emit_decode_attention=emit_native_decode_attention, cpp_wrapper=True))
 register_lowering(KernelLowering("decomposed", ("cpu",), None, always, emit_decomposed, priority=20,
                                  auto_inner=("inductor",)))

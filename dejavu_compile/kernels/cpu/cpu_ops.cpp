@@ -17,6 +17,9 @@
 //       a projection whose weight is int8 with per-group scales (quantize_weights' format): a few
 //       rows of x (decode) quantized to int16 per row, integer products per group, sums in fp32;
 //       many rows (prefill) against blocks of the weight widened to fp32, through at::mm;
+//   cpu_linear_cat(x, [w, ...], b?) and cpu_q8_linear_cat(x, [q, ...], [scales, ...], b?) -> (..., sum n)
+//       several projections of the same x (q, k and v; gate and up) in one call, their outputs
+//       concatenated: one parallel region over every weight's rows (and x quantized once);
 //   cpu_q8_sparse_mlp(x, q_a, s_a, q_b?, s_b?, q_down_t, s_down_t, idx, activation, b_a?, b_b?, b_down?)
 //       the neuron-sparse MLP over int8 weights in that format: the kept neurons' gate and up rows
 //       (the dense projections' own values, to the bit) and their rows of the down weight stored
@@ -43,6 +46,7 @@
 // autograd kernel: inference only). Built by native.py with the activation table's defines.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mm.h>
@@ -147,6 +151,13 @@ struct KernelOutput {
 };
 
 thread_local std::vector<float> x_buffer, out_buffer;
+
+// x's sizes with the last one replaced by n: a projection's output shape.
+std::vector<int64_t> with_last(const at::Tensor& x, int64_t n) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return shape;
+}
 
 // An activation argument for those ops: on the CPU, float32, bfloat16 or float16, contiguous.
 at::Tensor checked_input(const at::Tensor& x, const char* name) {
@@ -335,8 +346,7 @@ at::Tensor cpu_linear(const at::Tensor& x_in, const at::Tensor& w, const std::op
   const at::Tensor x = checked_input(x_in, "x");
   at::Tensor keep_b;
   const float* pb = bias_ptr(b, "b", n, dtype, keep_b);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
+  const std::vector<int64_t> shape = with_last(x, n);
   KernelOutput out(shape, dtype, out_buffer);
   const float* px = fp32_values(x, x_buffer);
   const int threads = at::get_num_threads();
@@ -348,6 +358,45 @@ at::Tensor cpu_linear(const at::Tensor& x_in, const at::Tensor& w, const std::op
     dejavu_linear_t(px, rows, d, weight_type(dtype), w.data_ptr(), w.stride(1), n, pb, out.data,
                     scratch.data_ptr<float>(), threads);
   }
+  return out.rounded();
+}
+
+// Several projections of the same x whose outputs are concatenated along the last dimension (a
+// layer's q, k and v; its gate and up), b the concatenated bias: one call of the GEMV kernel over
+// every weight's rows (dejavu_linear_parts), where separate cpu_linear calls pay a call, a fork and
+// join and a short parallel region's imbalance each. Outside the kernel's conditions, at::linear per
+// weight.
+at::Tensor cpu_linear_cat(const at::Tensor& x_in, at::TensorList w, const std::optional<at::Tensor>& b) {
+  TORCH_CHECK(!w.empty() && x_in.dim() >= 1, "cpu_linear_cat: x (..., d) and at least one weight expected");
+  const int64_t d = x_in.size(-1);
+  const at::ScalarType dtype = x_in.scalar_type();
+  std::vector<const void*> ptrs;
+  std::vector<int64_t> strides, ns;
+  bool kernel = kernel_dtype(dtype) && x_in.device().is_cpu() && (!b.has_value() || b->scalar_type() == dtype);
+  for (const at::Tensor& wi : w) {
+    TORCH_CHECK(wi.dim() == 2 && wi.size(1) == d, "cpu_linear_cat: weights (n, ", d, ") expected, got ", wi.sizes());
+    kernel = kernel && wi.scalar_type() == dtype && wi.device().is_cpu() && wi.stride(1) == 1;
+    ptrs.push_back(wi.data_ptr());
+    strides.push_back(wi.stride(0));
+    ns.push_back(wi.size(0));
+  }
+  int64_t n = 0;
+  for (int64_t ni : ns) n += ni;
+  const int64_t rows = x_in.numel() / std::max<int64_t>(d, 1);
+  if (!kernel || rows > kMaxGemvRows || rows == 0 || n == 0) {
+    std::vector<at::Tensor> outs;
+    for (size_t i = 0, first = 0; i < w.size(); first += ns[i], i++)
+      outs.push_back(at::linear(x_in, w[i], b.has_value() ? std::optional<at::Tensor>(b->narrow(0, first, ns[i]))
+                                                          : std::nullopt));
+    return at::cat(outs, -1);
+  }
+  const at::Tensor x = checked_input(x_in, "x");
+  at::Tensor keep_b;
+  const float* pb = bias_ptr(b, "b", n, dtype, keep_b);
+  const std::vector<int64_t> shape = with_last(x, n);
+  KernelOutput out(shape, dtype, out_buffer);
+  dejavu_linear_parts(fp32_values(x, x_buffer), rows, d, weight_type(dtype), static_cast<int>(w.size()), ptrs.data(),
+                      strides.data(), ns.data(), pb, out.data, at::get_num_threads(), dejavu_tuning.linear_prefetch_rows);
   return out.rounded();
 }
 
@@ -401,8 +450,7 @@ at::Tensor cpu_q8_linear(const at::Tensor& x_in, const at::Tensor& q, const at::
   at::Tensor keep_b;
   const float* pb = bias_ptr(b, "b", n, dtype, keep_b);
   const int64_t rows = x.numel() / d;
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
+  const std::vector<int64_t> shape = with_last(x, n);
   if (rows >= kQ8GemmRows && n > 0) return q8_linear_blocked(x, q, scales, group, keep_b, dtype).reshape(shape);
   KernelOutput out(shape, dtype, out_buffer);
   if (rows == 0 || n == 0) return out.result;
@@ -410,6 +458,53 @@ at::Tensor cpu_q8_linear(const at::Tensor& x_in, const at::Tensor& q, const at::
   at::Tensor x_scale = at::empty({rows}, x.options().dtype(at::kFloat));
   dejavu_q8_linear(fp32_values(x, x_buffer), rows, d, q.data_ptr<int8_t>(), n, scales.data_ptr<float>(), group, pb,
                    out.data, x_int16.data_ptr<int16_t>(), x_scale.data_ptr<float>(), at::get_num_threads());
+  return out.rounded();
+}
+
+// cpu_q8_linear over several int8 weights of the same x (quantize_weights' format, one group size),
+// the outputs concatenated along the last dimension, b the concatenated bias: x quantized once, one
+// call of the kernel over every weight's rows (dejavu_q8_linear_parts). A prefill's rows go to
+// cpu_q8_linear per weight.
+at::Tensor cpu_q8_linear_cat(const at::Tensor& x_in, at::TensorList q, at::TensorList scales,
+                             const std::optional<at::Tensor>& b) {
+  TORCH_CHECK(!q.empty() && q.size() == scales.size(), "cpu_q8_linear_cat: as many scales as weights (at least one), got ",
+              q.size(), " and ", scales.size());
+  std::vector<const int8_t*> wp;
+  std::vector<const float*> sp;
+  std::vector<int64_t> ns;
+  int64_t group = 0, n = 0;
+  for (size_t i = 0; i < q.size(); i++) {
+    const int64_t g = q8_group(q[i], scales[i], "cpu_q8_linear_cat");
+    TORCH_CHECK(i == 0 || (g == group && q[i].size(1) == q[0].size(1)),
+                "cpu_q8_linear_cat: weights of one width and group size expected, got ", q[i].sizes(), " in groups of ", g,
+                " after ", q[0].sizes(), " in groups of ", group);
+    group = g;
+    wp.push_back(q[i].data_ptr<int8_t>());
+    sp.push_back(scales[i].data_ptr<float>());
+    ns.push_back(q[i].size(0));
+    n += q[i].size(0);
+  }
+  const int64_t d = q[0].size(1);
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == d, "cpu_q8_linear_cat: x (..., ", d, ") expected, got ", x_in.sizes());
+  const at::ScalarType dtype = x_in.scalar_type();
+  const at::Tensor x = checked_input(x_in, "x");
+  const int64_t rows = x.numel() / d;
+  if (rows >= kQ8GemmRows) {
+    std::vector<at::Tensor> outs;
+    for (size_t i = 0, first = 0; i < q.size(); first += ns[i], i++)
+      outs.push_back(cpu_q8_linear(x, q[i], scales[i],
+                                   b.has_value() ? std::optional<at::Tensor>(b->narrow(0, first, ns[i])) : std::nullopt));
+    return at::cat(outs, -1);
+  }
+  at::Tensor keep_b;
+  const float* pb = bias_ptr(b, "b", n, dtype, keep_b);
+  const std::vector<int64_t> shape = with_last(x, n);
+  KernelOutput out(shape, dtype, out_buffer);
+  if (rows == 0 || n == 0) return out.result;
+  at::Tensor x_int16 = at::empty({rows, d}, x.options().dtype(at::kShort));
+  at::Tensor x_scale = at::empty({rows}, x.options().dtype(at::kFloat));
+  dejavu_q8_linear_parts(fp32_values(x, x_buffer), rows, d, static_cast<int>(q.size()), wp.data(), sp.data(), ns.data(),
+                         group, pb, out.data, x_int16.data_ptr<int16_t>(), x_scale.data_ptr<float>(), at::get_num_threads());
   return out.rounded();
 }
 
@@ -519,8 +614,7 @@ at::Tensor cpu_screened_linear(const at::Tensor& x_in, const at::Tensor& w, cons
   at::Tensor keep_b;
   const float* pb = bias_ptr(b, "b", n, dtype, keep_b);
   const int64_t rows = x.numel() / std::max<int64_t>(d, 1);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
+  const std::vector<int64_t> shape = with_last(x, n);
   at::Tensor out = at::empty(shape, x.options());
   if (rows == 0) return in_dtype(out, dtype);
   at::Tensor x_int16 = at::empty({rows, d}, x.options().dtype(at::kShort));
@@ -609,6 +703,8 @@ TORCH_LIBRARY_FRAGMENT(dejavu, m) {
   m.def("cpu_linear(Tensor x, Tensor w, Tensor? b=None) -> Tensor");
   m.def("cpu_screened_linear(Tensor x, Tensor w, Tensor w_int8, Tensor scale, int k, Tensor? b=None) -> Tensor");
   m.def("cpu_q8_linear(Tensor x, Tensor q, Tensor scales, Tensor? b=None) -> Tensor");
+  m.def("cpu_linear_cat(Tensor x, Tensor[] w, Tensor? b=None) -> Tensor");
+  m.def("cpu_q8_linear_cat(Tensor x, Tensor[] q, Tensor[] scales, Tensor? b=None) -> Tensor");
   m.def("cpu_q8_sparse_mlp(Tensor x, Tensor q_a, Tensor s_a, Tensor? q_b, Tensor? s_b, Tensor q_down_t, "
         "Tensor s_down_t, Tensor idx, str activation, Tensor? b_a=None, Tensor? b_b=None, Tensor? b_down=None) "
         "-> Tensor");
@@ -624,6 +720,8 @@ TORCH_LIBRARY_IMPL(dejavu, CPU, m) {
   m.impl("cpu_linear", &cpu_linear);
   m.impl("cpu_screened_linear", &cpu_screened_linear);
   m.impl("cpu_q8_linear", &cpu_q8_linear);
+  m.impl("cpu_linear_cat", &cpu_linear_cat);
+  m.impl("cpu_q8_linear_cat", &cpu_q8_linear_cat);
   m.impl("cpu_q8_sparse_mlp", &cpu_q8_sparse_mlp);
   m.impl("cpu_q8_glu_mlp", &cpu_q8_glu_mlp);
   m.impl("cpu_decode_attention", &cpu_decode_attention);

@@ -647,23 +647,60 @@ static inline void dot2_q8_groups(const int8_t *restrict wa, const int8_t *restr
 #endif
 }
 
+/* The parts functions below share one parallel region over the rows of every part (n[p] rows each,
+   part p's after part p - 1's): the total, and the rows of part p (starting at row `first`) within a
+   thread's share [lo, hi), as [*r_lo, *r_hi) (empty when r_lo >= r_hi). */
+static inline int64_t total_rows(const int64_t *n, int parts) {
+    int64_t total = 0;
+    for (int p = 0; p < parts; p++) total += n[p];
+    return total;
+}
+static inline void part_share(int64_t lo, int64_t hi, int64_t first, int64_t n, int64_t *r_lo, int64_t *r_hi) {
+    *r_lo = lo > first ? lo - first : 0;
+    *r_hi = hi - first < n ? hi - first : n;
+}
+
+/* Several projections of the same x in one call (a layer's q, k and v; its gate and up): part p's
+   rows q[p] (n[p], d) with scales[p] follow part p - 1's in out's rows (nb, sum n), bias NULL or
+   (sum n,). x is quantized once and the rows of every part are shared among the threads in one
+   parallel region: separate calls pay the quantization, the fork and join and the imbalance of
+   each short call once per projection. */
+void dejavu_q8_linear_parts(const float *x, int64_t nb, int64_t d, int parts, const int8_t *const *w,
+                            const float *const *scales, const int64_t *n, int64_t group, const float *bias,
+                            float *out, int16_t *xq, float *inv, int n_threads) {
+    for (int64_t b = 0; b < nb; b++) inv[b] = quantize_x_bits(x + b * d, d, 15, xq + b * d);
+    const int64_t groups = d / group, ahead = dejavu_tuning.int8_prefetch_rows;
+    const int64_t total = total_rows(n, parts);
+#pragma omp parallel num_threads(n_threads)
+    {
+        const int t = omp_get_thread_num(), n_t = omp_get_num_threads();
+        const int64_t lo = total * t / n_t, hi = total * (t + 1) / n_t;
+        int64_t first = 0;
+        for (int p = 0; p < parts; first += n[p], p++) {
+            const int8_t *wp = w[p];
+            const float *sp = scales[p];
+            int64_t r_lo, r_hi;
+            part_share(lo, hi, first, n[p], &r_lo, &r_hi);
+            for (int64_t r = r_lo; r < r_hi; r++) {
+                if (ahead > 0 && r + ahead < r_hi) {
+                    prefetch(wp + (r + ahead) * d, d, d);
+                    prefetch(sp + (r + ahead) * groups, groups * 4, groups * 4);
+                }
+                for (int64_t b = 0; b < nb; b++)
+                    out[b * total + first + r] = inv[b] * dot_q8_groups(wp + r * d, xq + b * d, sp + r * groups, d, group) +
+                                                 (bias ? bias[first + r] : 0.0f);
+            }
+        }
+    }
+}
+
 /* out[b, r] = (q[r] . x_b with q's group scales) + bias[r] for r < n: q (n, d) int8 rows, d apart;
    scales (n, d / group) fp32; x (nb, d) and out (nb, n) contiguous; bias NULL or (n,). Scratch: nb * d
    int16 and nb floats. Each thread streams one contiguous share of the rows, each row read once for
    all rows of x (prefill included: the same kernel, x's rows stay in cache). */
 void dejavu_q8_linear(const float *x, int64_t nb, int64_t d, const int8_t *w, int64_t n, const float *scales,
                       int64_t group, const float *bias, float *out, int16_t *xq, float *inv, int n_threads) {
-    for (int64_t b = 0; b < nb; b++) inv[b] = quantize_x_bits(x + b * d, d, 15, xq + b * d);
-    const int64_t groups = d / group, ahead = dejavu_tuning.int8_prefetch_rows;
-#pragma omp parallel for num_threads(n_threads) schedule(static)
-    for (int64_t r = 0; r < n; r++) {
-        if (ahead > 0 && r + ahead < n) {
-            prefetch(w + (r + ahead) * d, d, d);
-            prefetch(scales + (r + ahead) * groups, groups * 4, groups * 4);
-        }
-        for (int64_t b = 0; b < nb; b++)
-            out[b * n + r] = inv[b] * dot_q8_groups(w + r * d, xq + b * d, scales + r * groups, d, group) + (bias ? bias[r] : 0.0f);
-    }
+    dejavu_q8_linear_parts(x, nb, d, 1, &w, &scales, &n, group, bias, out, xq, inv, n_threads);
 }
 
 /* out[r - r0] = the fp32 values of int8 rows r0 .. r0 + n_rows - 1 (q rows d apart, scales (n, d / group)):
@@ -944,23 +981,39 @@ void dejavu_weighted_rows(const float *h, int64_t h_stride, const int64_t *idx, 
    loads. Exact: every product is summed, only the order differs from torch's GEMM. */
 
 
+/* dejavu_linear over several weights of the same x in one parallel region, as dejavu_q8_linear_parts:
+   part p's rows w[p] (n[p], d), w_stride[p] elements apart, follow part p - 1's in out (nb, sum n). */
+void dejavu_linear_parts(const float *x, int64_t nb, int64_t d, int w_type, int parts, const void *const *w,
+                         const int64_t *w_stride, const int64_t *n, const float *bias, float *out, int n_threads,
+                         int64_t prefetch_rows) {
+    const int64_t row_bytes = d * element_bytes(w_type);
+    const int64_t total = total_rows(n, parts);
+#pragma omp parallel num_threads(n_threads)
+    {
+        const int t = omp_get_thread_num(), n_t = omp_get_num_threads();
+        const int64_t lo = total * t / n_t, hi = total * (t + 1) / n_t;
+        int64_t first = 0;
+        for (int p = 0; p < parts; first += n[p], p++) {
+            int64_t r_lo, r_hi;
+            part_share(lo, hi, first, n[p], &r_lo, &r_hi);
+            for (int64_t r = r_lo; r < r_hi; r++) {
+                if (prefetch_rows > 0 && r + prefetch_rows < r_hi)
+                    prefetch(row_at(w[p], w_type, r + prefetch_rows, w_stride[p]), row_bytes, row_bytes);
+                const void *row = row_at(w[p], w_type, r, w_stride[p]);
+                for (int64_t b = 0; b < nb; b++)
+                    out[b * total + first + r] = dot_typed(row, w_type, x + b * d, d) + (bias ? bias[first + r] : 0.0f);
+            }
+        }
+    }
+}
+
 /* out[b, r] = w[r] . x[b] + bias[r] for r < n: w (n, d) rows w_stride floats apart (nn.Linear's
    layout), x (nb, d) and out (nb, n) contiguous, bias NULL or (n,). Thread t takes the rows
    [n t / T, n (t+1) / T); each row is read once for all rows of x (it stays in L1 between them).
    prefetch_rows > 0: also prefetch the row that many ahead (tuned per machine, see native.py). */
 void dejavu_linear(const float *x, int64_t nb, int64_t d, int w_type, const void *w, int64_t w_stride, int64_t n,
                    const float *bias, float *out, int n_threads, int64_t prefetch_rows) {
-    const int64_t row_bytes = d * element_bytes(w_type);
-#pragma omp parallel num_threads(n_threads)
-    {
-        const int t = omp_get_thread_num(), n_t = omp_get_num_threads();
-        const int64_t lo = n * t / n_t, hi = n * (t + 1) / n_t;
-        for (int64_t r = lo; r < hi; r++) {
-            if (prefetch_rows > 0 && r + prefetch_rows < hi) prefetch(row_at(w, w_type, r + prefetch_rows, w_stride), row_bytes, row_bytes);
-            const void *row = row_at(w, w_type, r, w_stride);
-            for (int64_t b = 0; b < nb; b++) out[b * n + r] = dot_typed(row, w_type, x + b * d, d) + (bias ? bias[r] : 0.0f);
-        }
-    }
+    dejavu_linear_parts(x, nb, d, w_type, 1, &w, &w_stride, &n, bias, out, n_threads, prefetch_rows);
 }
 
 void dejavu_linear_f32(const float *x, int64_t nb, int64_t d, const float *w, int64_t w_stride, int64_t n,

@@ -412,6 +412,17 @@ def _register_fakes() -> None:
                              f"{tuple(scales.shape)}")
         return x.new_empty(*x.shape[:-1], q.shape[0])
 
+    @torch.library.register_fake("dejavu::cpu_linear_cat")
+    def _(x, w, b=None):
+        return x.new_empty(*x.shape[:-1], sum(wi.shape[0] for wi in w))
+
+    @torch.library.register_fake("dejavu::cpu_q8_linear_cat")
+    def _(x, q, scales, b=None):
+        if len(q) != len(scales) or any(qi.dtype != torch.int8 or qi.dim() != 2 for qi in q):
+            # sizes: the C++ kernel checks them
+            raise ValueError("q must be int8 weights (n, d), one scales tensor each")
+        return x.new_empty(*x.shape[:-1], sum(qi.shape[0] for qi in q))
+
     @torch.library.register_fake("dejavu::cpu_q8_sparse_mlp")
     def _(x, q_a, s_a, q_b, s_b, q_down_t, s_down_t, idx, activation, b_a=None, b_b=None, b_down=None):
         C.check_x(x)
