@@ -4,8 +4,9 @@ graphs, and the plan with its projections left to Inductor).
 
     python benchmarks/profile_decode.py                 # the split below, per variant
     python benchmarks/profile_decode.py --dtype bfloat16 # a bf16 model (Inductor dense, exact, default plan)
-    python benchmarks/profile_decode.py --weights int8   # quantize_weights(model, "int8") (dense, exact;
-                                                         # exact also with the int8 GEMV's prefetch off)
+    python benchmarks/profile_decode.py --weights int8   # quantize_weights(model, "int8") (dense, exact,
+                                                         # the default plan's k; exact also with one call
+                                                         # per projection, and with the int8 prefetch off)
 
 For each variant (fp32 unless --dtype/--weights, batch 1, static cache, 2 threads unless --threads;
 through ``evaluation.bench.measure_decode``: every variant compiled first, then timed once per
@@ -69,8 +70,7 @@ def main(argv=None) -> int:
     if args.weights == "int8":
         from dejavu_compile.compiler.quantize import quantize_weights
 
-        print(quantize_weights(model, "int8"))
-        plan = None  # sparse plans do not reach int8 projections
+        print(quantize_weights(model, "int8"))  # the plan's k per layer reaches the int8 MLPs (cpu_q8_glu_mlp)
     rate = streaming_rate(model)
     dense_bytes = step_weight_bytes(model)
     print(f"format: {args.dtype}, {args.weights} weights; a dense step reads {dense_bytes / 1e6:.0f} MB of weights")
@@ -82,6 +82,9 @@ def main(argv=None) -> int:
     variants = {"Inductor dense": (compiled_forward("inductor"), dense_bytes),
                 "dejavu exact, Python wrapper": (compiled_forward("dejavu", options=python_wrapper), dense_bytes),
                 "dejavu exact": (compiled_forward("dejavu"), dense_bytes),
+                # one GEMV call per projection, not one per input (q, k, v; gate, up)
+                "dejavu exact, one call per projection": (
+                    compiled_forward("dejavu", options={"dense_lowering": "unfused"}), dense_bytes),
                 "dejavu default plan, Python wrapper": (
                     compiled_forward("dejavu", options={"plan": plan, **python_wrapper}), plan_bytes),
                 "dejavu default plan": (compiled_forward("dejavu", options={"plan": plan}), plan_bytes),
@@ -91,7 +94,7 @@ def main(argv=None) -> int:
                     compiled_forward("dejavu", options={"plan": plan, "dense_lowering": "aten", **python_wrapper}),
                     plan_bytes)}
     if args.dtype != "float32" or args.weights != "float":  # the fp32 profile answers the wrapper questions
-        keep = ("Inductor dense", "dejavu exact") + (("dejavu default plan",) if plan is not None else ())
+        keep = ("Inductor dense", "dejavu exact", "dejavu exact, one call per projection", "dejavu default plan")
         variants = {name: variants[name] for name in keep}
     original = model.forward
     forwards = {name: wrap(original) for name, (wrap, _) in variants.items()}
