@@ -152,6 +152,21 @@ struct KernelOutput {
 
 thread_local std::vector<float> x_buffer, out_buffer;
 
+// x quantized to int16 for the int8 kernels (rows * d) and its per-row scales (rows), in buffers
+// each thread keeps between calls: two tensor allocations cost about as much as quantizing x.
+thread_local std::vector<int16_t> x_int16_buffer;
+thread_local std::vector<float> x_scale_buffer;
+struct QuantizedX {
+  int16_t* values;
+  float* scales;
+  QuantizedX(int64_t rows, int64_t d) {
+    x_int16_buffer.resize(std::max<int64_t>(rows * d, 1));
+    x_scale_buffer.resize(std::max<int64_t>(rows, 1));
+    values = x_int16_buffer.data();
+    scales = x_scale_buffer.data();
+  }
+};
+
 // x's sizes with the last one replaced by n: a projection's output shape.
 std::vector<int64_t> with_last(const at::Tensor& x, int64_t n) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -278,12 +293,11 @@ at::Tensor glu_int8_scores(const at::Tensor& x_in, const at::Tensor& w_int8, con
               2 * n, "), got ", scale.sizes());
   TORCH_CHECK(k >= 1 && k <= n, "k must be in [1, ", n, "], got ", k);
   at::Tensor scores = at::empty({nb, n}, x.options());
-  at::Tensor x_int16 = at::empty({nb, d}, x.options().dtype(at::kShort));
-  at::Tensor x_scale = at::empty({nb}, x.options());
+  QuantizedX xq(nb, d);
   at::Tensor gate_up = at::empty({nb, 2 * n}, x.options());
   dejavu_glu_int8_scores_f32(x.data_ptr<float>(), nb, d, w_int8.data_ptr<int8_t>(), scale.data_ptr<float>(), n,
-                             act, signed_values, scores.data_ptr<float>(), x_int16.data_ptr<int16_t>(),
-                             x_scale.data_ptr<float>(), gate_up.data_ptr<float>(), at::get_num_threads());
+                             act, signed_values, scores.data_ptr<float>(), xq.values,
+                             xq.scales, gate_up.data_ptr<float>(), at::get_num_threads());
   return scores;
 }
 
@@ -454,10 +468,9 @@ at::Tensor cpu_q8_linear(const at::Tensor& x_in, const at::Tensor& q, const at::
   if (rows >= kQ8GemmRows && n > 0) return q8_linear_blocked(x, q, scales, group, keep_b, dtype).reshape(shape);
   KernelOutput out(shape, dtype, out_buffer);
   if (rows == 0 || n == 0) return out.result;
-  at::Tensor x_int16 = at::empty({rows, d}, x.options().dtype(at::kShort));
-  at::Tensor x_scale = at::empty({rows}, x.options().dtype(at::kFloat));
+  QuantizedX xq(rows, d);
   dejavu_q8_linear(fp32_values(x, x_buffer), rows, d, q.data_ptr<int8_t>(), n, scales.data_ptr<float>(), group, pb,
-                   out.data, x_int16.data_ptr<int16_t>(), x_scale.data_ptr<float>(), at::get_num_threads());
+                   out.data, xq.values, xq.scales, at::get_num_threads());
   return out.rounded();
 }
 
@@ -501,10 +514,9 @@ at::Tensor cpu_q8_linear_cat(const at::Tensor& x_in, at::TensorList q, at::Tenso
   const std::vector<int64_t> shape = with_last(x, n);
   KernelOutput out(shape, dtype, out_buffer);
   if (rows == 0 || n == 0) return out.result;
-  at::Tensor x_int16 = at::empty({rows, d}, x.options().dtype(at::kShort));
-  at::Tensor x_scale = at::empty({rows}, x.options().dtype(at::kFloat));
+  QuantizedX xq(rows, d);
   dejavu_q8_linear_parts(fp32_values(x, x_buffer), rows, d, static_cast<int>(q.size()), wp.data(), sp.data(), ns.data(),
-                         group, pb, out.data, x_int16.data_ptr<int16_t>(), x_scale.data_ptr<float>(), at::get_num_threads());
+                         group, pb, out.data, xq.values, xq.scales, at::get_num_threads());
   return out.rounded();
 }
 
@@ -538,14 +550,13 @@ at::Tensor cpu_q8_sparse_mlp(const at::Tensor& x_in, const at::Tensor& q_a, cons
   if (nb == 0) return out.result;
   at::Tensor scratch = at::empty({threads * nb * d_out}, x.options().dtype(at::kFloat));
   at::Tensor values = at::empty({nb * k}, x.options().dtype(at::kFloat));
-  at::Tensor x_int16 = at::empty({nb, d}, x.options().dtype(at::kShort));
-  at::Tensor x_scale = at::empty({nb}, x.options().dtype(at::kFloat));
+  QuantizedX xq(nb, d);
   dejavu_q8_sparse_mlp(fp32_values(x, x_buffer), nb, d, d_out, q_a.data_ptr<int8_t>(), s_a.data_ptr<float>(),
                        q_b.has_value() ? q_b->data_ptr<int8_t>() : nullptr,
                        s_b.has_value() ? s_b->data_ptr<float>() : nullptr, group, q_down_t.data_ptr<int8_t>(),
                        s_down_t.data_ptr<float>(), down_group, pa, pb, pd, ids, k, row_stride, act, out.data,
-                       scratch.data_ptr<float>(), values.data_ptr<float>(), x_int16.data_ptr<int16_t>(),
-                       x_scale.data_ptr<float>(), threads);
+                       scratch.data_ptr<float>(), values.data_ptr<float>(), xq.values,
+                       xq.scales, threads);
   return out.rounded();
 }
 
@@ -580,11 +591,10 @@ std::tuple<at::Tensor, at::Tensor> cpu_q8_glu_mlp(const at::Tensor& x_in, const 
   const int threads = at::get_num_threads();
   const at::TensorOptions f32 = x.options().dtype(at::kFloat);
   at::Tensor values = at::empty({nb, n}, f32), up = at::empty({nb, n}, f32);
-  at::Tensor x_int16 = at::empty({nb, d}, x.options().dtype(at::kShort));
-  at::Tensor x_scale = at::empty({nb}, f32);
+  QuantizedX xq(nb, d);
   dejavu_q8_glu_values(fp32_values(x, x_buffer), nb, d, q_a.data_ptr<int8_t>(), s_a.data_ptr<float>(),
                        q_b.data_ptr<int8_t>(), s_b.data_ptr<float>(), group, n, act, values.data_ptr<float>(),
-                       up.data_ptr<float>(), x_int16.data_ptr<int16_t>(), x_scale.data_ptr<float>(), threads);
+                       up.data_ptr<float>(), xq.values, xq.scales, threads);
   at::Tensor idx = topk_rows(values, k, true);
   at::Tensor out = at::empty({nb, d_out}, f32);
   at::Tensor scratch = at::empty({2 * threads * d_out}, f32);
@@ -617,12 +627,11 @@ at::Tensor cpu_screened_linear(const at::Tensor& x_in, const at::Tensor& w, cons
   const std::vector<int64_t> shape = with_last(x, n);
   at::Tensor out = at::empty(shape, x.options());
   if (rows == 0) return in_dtype(out, dtype);
-  at::Tensor x_int16 = at::empty({rows, d}, x.options().dtype(at::kShort));
-  at::Tensor x_scale = at::empty({rows}, x.options());
+  QuantizedX xq(rows, d);
   float* o = out.data_ptr<float>();
   const float* px = x.data_ptr<float>();
   dejavu_int8_linear_f32(px, rows, d, w_int8.data_ptr<int8_t>(), n, scale.data_ptr<float>(), o,
-                         x_int16.data_ptr<int16_t>(), x_scale.data_ptr<float>(), at::get_num_threads());
+                         xq.values, xq.scales, at::get_num_threads());
   if (pb)
     for (int64_t r = 0; r < rows; r++)
       for (int64_t c = 0; c < n; c++) o[r * n + c] += pb[c];
