@@ -88,23 +88,31 @@ class DenseLinearPass:
         ctx.count(self.name, 0)
         if decode_lowering_off(gm, ctx):
             return gm
+        linears = find_linears(gm, int8=True).values()
         lowerings = []
-        for lin in find_linears(gm).values():
+        for lin in (lin for lin in linears if lin.scales is None):
             bias = example_value(lin.bias) if lin.bias is not None else None
             weight = example_value(lin.weight)
             if lowerable(example_value(lin.x), weight, bias, lin.layout) is None:
                 kernel = dense_kernel("linear", ctx.opts, weight)
                 if kernel is not None:
                     lowerings.append((lin, kernel))
+        # quantize_weights' int8 projections are already the native entry's op: noted (the C++ wrapper),
+        # and grouped with their siblings, but a lone one keeps the model's own call
+        int8 = [lin for lin in linears if lin.scales is not None and _decode_int8_projection(lin.call)]
+        owner = dense_kernel("linear", ctx.opts, None) if int8 else None
+        if owner is not None:
+            owner.note(gm)
+        pairs = lowerings + ([(lin, owner) for lin in int8] if owner is not None else [])
         graph = gm.graph
         fuse = ctx.opts.get("dense_lowering", "auto") != "unfused"
         singles = []
-        for group in _sibling_groups(graph, lowerings) if fuse else [[item] for item in lowerings]:
+        for group in _sibling_groups(graph, pairs) if fuse else [[pair] for pair in pairs]:
             kernel = group[0][1]
             if len(group) > 1 and kernel.fills("linear_cat"):
                 _rewrite_siblings(gm, graph, kernel, [lin for lin, _ in group])
             else:
-                singles.extend(group)
+                singles.extend(pair for pair in group if pair[0].scales is None)
         for lin, kernel in singles:
             weight, last = lin.weight, lin.out
             if lin.layout == "in_out":  # (d, n) as stored: the op takes the (n, d) view
@@ -112,19 +120,7 @@ class DenseLinearPass:
                     weight = last = graph.call_function(torch.t, (lin.weight,))
             with graph.inserting_after(last):
                 out = kernel.use(gm, "linear")(graph, lin.x, weight, lin.bias)
-            out.meta.update({k: v for k, v in lin.out.meta.items() if k in ("example_value", "val", "stack_trace")})
-            lin.out.replace_all_uses_with(out)
-            _erase_unused(graph, [lin.out, lin.call, *lin.call.all_input_nodes])
-        int8 = [lin for lin in find_linears(gm, int8=True).values()
-                if lin.scales is not None and _decode_int8_projection(lin.call)]
-        if int8:
-            owner = dense_kernel("linear", ctx.opts, None)  # the CPU entry of the dense GEMV, whose ops these are
-            if owner is not None:
-                owner.note(gm)
-                if fuse and owner.fills("linear_cat"):
-                    for group in _sibling_groups(graph, [(lin, owner) for lin in int8]):
-                        if len(group) > 1:
-                            _rewrite_siblings(gm, graph, owner, [lin for lin, _ in group])
+            _replace_output(graph, lin, out)
         ctx.count(self.name, len(lowerings))
         return gm
 
@@ -168,14 +164,19 @@ def _rewrite_siblings(gm: fx.GraphModule, graph: fx.Graph, kernel, group: list) 
         bias = graph.call_function(torch.cat, ([lin.bias for lin in group],)) if group[0].bias is not None else None
         scales = [lin.scales for lin in group] if group[0].scales is not None else None
         out = kernel.use(gm, "linear_cat")(graph, group[0].x, [lin.weight for lin in group], scales, bias)
-        start = 0
-        for lin in group:
-            part = graph.call_function(torch.narrow, (out, -1, start, lin.out_features))
-            part.meta.update({k: v for k, v in lin.out.meta.items() if k in ("example_value", "val", "stack_trace")})
-            lin.out.replace_all_uses_with(part)
-            start += lin.out_features
-    for lin in group:
-        _erase_unused(graph, [lin.out, lin.call, *lin.call.all_input_nodes])
+        starts = [sum(lin.out_features for lin in group[:i]) for i in range(len(group))]
+        parts = [graph.call_function(torch.narrow, (out, -1, start, lin.out_features))
+                 for lin, start in zip(group, starts)]
+    for lin, part in zip(group, parts):  # after the inserts: erasing the first call moves the insertion point
+        _replace_output(graph, lin, part)
+
+
+def _replace_output(graph: fx.Graph, lin, out: fx.Node) -> None:
+    """``out`` takes the place of the projection's output (with its example value and stack trace);
+    the projection's own nodes go once nothing reads them."""
+    out.meta.update({k: v for k, v in lin.out.meta.items() if k in ("example_value", "val", "stack_trace")})
+    lin.out.replace_all_uses_with(out)
+    _erase_unused(graph, [lin.out, lin.call, *lin.call.all_input_nodes])
 
 
 def _decode_int8_projection(node: fx.Node) -> bool:

@@ -56,6 +56,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -375,6 +376,17 @@ at::Tensor cpu_linear(const at::Tensor& x_in, const at::Tensor& w, const std::op
   return out.rounded();
 }
 
+// The *_cat ops outside their kernels' conditions: project(i, b_i) for each part i (ns[i] outputs, b_i
+// its slice of the concatenated bias b), the results concatenated along the last dimension.
+template <typename Project>
+at::Tensor cat_of_parts(const std::vector<int64_t>& ns, const std::optional<at::Tensor>& b, Project project) {
+  std::vector<at::Tensor> outs;
+  int64_t first = 0;
+  for (size_t i = 0; i < ns.size(); first += ns[i], i++)
+    outs.push_back(project(i, b.has_value() ? std::optional<at::Tensor>(b->narrow(0, first, ns[i])) : std::nullopt));
+  return at::cat(outs, -1);
+}
+
 // Several projections of the same x whose outputs are concatenated along the last dimension (a
 // layer's q, k and v; its gate and up), b the concatenated bias: one call of the GEMV kernel over
 // every weight's rows (dejavu_linear_parts), where separate cpu_linear calls pay a call, a fork and
@@ -394,16 +406,12 @@ at::Tensor cpu_linear_cat(const at::Tensor& x_in, at::TensorList w, const std::o
     strides.push_back(wi.stride(0));
     ns.push_back(wi.size(0));
   }
-  int64_t n = 0;
-  for (int64_t ni : ns) n += ni;
+  const int64_t n = std::accumulate(ns.begin(), ns.end(), int64_t{0});
   const int64_t rows = x_in.numel() / std::max<int64_t>(d, 1);
-  if (!kernel || rows > kMaxGemvRows || rows == 0 || n == 0) {
-    std::vector<at::Tensor> outs;
-    for (size_t i = 0, first = 0; i < w.size(); first += ns[i], i++)
-      outs.push_back(at::linear(x_in, w[i], b.has_value() ? std::optional<at::Tensor>(b->narrow(0, first, ns[i]))
-                                                          : std::nullopt));
-    return at::cat(outs, -1);
-  }
+  if (!kernel || rows > kMaxGemvRows || rows == 0 || n == 0)
+    return cat_of_parts(ns, b, [&](size_t i, const std::optional<at::Tensor>& b_i) {
+      return at::linear(x_in, w[i], b_i);
+    });
   const at::Tensor x = checked_input(x_in, "x");
   at::Tensor keep_b;
   const float* pb = bias_ptr(b, "b", n, dtype, keep_b);
@@ -502,13 +510,10 @@ at::Tensor cpu_q8_linear_cat(const at::Tensor& x_in, at::TensorList q, at::Tenso
   const at::ScalarType dtype = x_in.scalar_type();
   const at::Tensor x = checked_input(x_in, "x");
   const int64_t rows = x.numel() / d;
-  if (rows >= kQ8GemmRows) {
-    std::vector<at::Tensor> outs;
-    for (size_t i = 0, first = 0; i < q.size(); first += ns[i], i++)
-      outs.push_back(cpu_q8_linear(x, q[i], scales[i],
-                                   b.has_value() ? std::optional<at::Tensor>(b->narrow(0, first, ns[i])) : std::nullopt));
-    return at::cat(outs, -1);
-  }
+  if (rows >= kQ8GemmRows)
+    return cat_of_parts(ns, b, [&](size_t i, const std::optional<at::Tensor>& b_i) {
+      return cpu_q8_linear(x, q[i], scales[i], b_i);
+    });
   at::Tensor keep_b;
   const float* pb = bias_ptr(b, "b", n, dtype, keep_b);
   const std::vector<int64_t> shape = with_last(x, n);
