@@ -611,9 +611,9 @@ static inline __attribute__((always_inline)) float dot_q8_groups_of(const int8_t
 }
 
 /* quantize_weights' default group of 32 as a constant: a group's multiply-adds unrolled with no inner
-   loop, the same operations in the same order as any other group size. Its loop's control was most
-   of the work per group where a multiply-add takes 16 pairs (AVX2): with it the int8 GEMV read
-   SmolLM2-shaped weights at 16.5 GB/s on a Zen 3, without it at 27 (above the fp32 GEMV's rate). */
+   loop, the same operations in the same order as any other group size. Where a multiply-add takes
+   16 pairs (AVX2) that loop's control was most of the work per group, and the int8 GEMV was
+   compute bound below the fp32 GEMV's byte rate (benchmarks/kernel_speed.py --dtype int8). */
 static inline float dot_q8_groups(const int8_t *restrict w, const int16_t *restrict x, const float *restrict scales,
                                   int64_t d, int64_t group) {
     return group == 32 ? dot_q8_groups_of(w, x, scales, d, 32) : dot_q8_groups_of(w, x, scales, d, group);
