@@ -20,6 +20,17 @@ RTOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 6e-2}
 HALF_ULP = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
 
+def half_subnormal(dtype) -> float:
+    """Half the fixed spacing of ``dtype``'s subnormals: a result below the normal range rounds by up to
+    that whatever its relative error (an fp16 result under 3e-8 rounds to zero). 0 for fp32 results."""
+    return 0.0 if dtype == torch.float32 else torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps / 2
+
+
+def rounding_to(dtype, ref, bound):
+    """The error of rounding a kernel's fp32 result (within ``bound`` of ``ref``) once into ``dtype``."""
+    return HALF_ULP[dtype] * (ref.abs() + bound) + half_subnormal(dtype)
+
+
 def act64(t, activation):
     """The activation table's float64 reference (written apart from the torch function the ops use)."""
     return activations.get(activation).reference(t)
@@ -102,7 +113,7 @@ def assert_close(out, ref, bound, dtype, what=""):
     assert out.shape == ref.shape, (out.shape, ref.shape)
     assert torch.isfinite(out).all(), f"{what}: non-finite output (unwritten buffer?)"
     err = (out.double().cpu() - ref).abs()
-    tol = RTOL[dtype] * bound
+    tol = RTOL[dtype] * bound + half_subnormal(dtype)
     worst = (err / tol).max().item()
     assert worst <= 1.0, f"{what}: error {err.max().item():.3g} exceeds tolerance (ratio {worst:.3g})"
 

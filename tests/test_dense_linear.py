@@ -16,7 +16,7 @@ from dejavu_compile.compiler.passes.runner import dejavu_op_nodes
 from dejavu_compile.kernels.cpu import native
 from dejavu_compile.testing.tiny import tiny_model
 from tests.helpers import greedy_through_backend, sparse_plan, token_ids
-from tests.kernel_reference import HALF_ULP
+from tests.kernel_reference import rounding_to
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(not native.load_ops(), reason=f"C++ ops unavailable: {native._OPS['error']}")
@@ -29,8 +29,7 @@ def _reference(x, w, b, dtype=torch.float32):
     ref = F.linear(x.double(), w.double(), None if b is None else b.double())
     scale = F.linear(x.double().abs(), w.double().abs(), None if b is None else b.double().abs())
     fp32 = 2 * (x.shape[-1] + 2) * EPS32 * scale
-    half_subnormal = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps / 2  # a result below the normals
-    return ref, fp32 + HALF_ULP[dtype] * (ref.abs() + fp32) + half_subnormal + 1e-30
+    return ref, fp32 + rounding_to(dtype, ref, fp32) + 1e-30
 
 
 @settings(max_examples=150, deadline=None)

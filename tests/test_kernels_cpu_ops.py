@@ -8,13 +8,12 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dejavu_compile.kernels import ACTIVATIONS, int8_linear
 from dejavu_compile.kernels.cpu import native
 from tests.kernel_reference import (
-    HALF_ULP,
     RTOL,
     act64,
     act_slope,
@@ -23,6 +22,7 @@ from tests.kernel_reference import (
     mlp_cases,
     mlp_problem,
     mlp_reference,
+    rounding_to,
 )
 
 torch.set_num_threads(1)
@@ -49,7 +49,7 @@ def assert_rounded_close(out, ref, bound, dtype, what):
     assert out.shape == ref.shape, (out.shape, ref.shape)
     assert torch.isfinite(out).all(), f"{what}: non-finite output (unwritten buffer?)"
     fp32 = RTOL[torch.float32] * bound
-    tol = fp32 + HALF_ULP[dtype] * (ref.abs() + fp32)
+    tol = fp32 + rounding_to(dtype, ref, fp32)
     err = (out.double() - ref).abs()
     worst = (err / tol).max().item()
     assert worst <= 1.0, f"{what} {dtype}: error {err.max().item():.3g} exceeds tolerance (ratio {worst:.3g})"
@@ -128,6 +128,8 @@ def int8_values64(x, w_int8, scale, activation):
 @given(seed=st.integers(0, 2**16), batch=st.integers(1, 8), d=st.integers(1, 200), n=st.integers(1, 150),
        d_out=st.integers(1, 90), share=st.floats(0.0, 1.0), activation=st.sampled_from(ACTIVATIONS),
        bias=st.booleans(), threads=st.sampled_from([1, 2, 3]), x_dtype=DTYPES, rows_dtype=DTYPES)
+@example(seed=1214, batch=3, d=1, n=44, d_out=1, share=0.0, activation="silu", bias=False, threads=1,
+         x_dtype=torch.float16, rows_dtype=torch.float32)  # an fp16 result below the subnormals' spacing
 def test_cpu_glu_int8_mlp_sums_the_predictors_values(seed, batch, d, n, d_out, share, activation, bias, threads,
                                                      x_dtype, rows_dtype):
     """The block from the int8 predictor's own values: it keeps what cpu_glu_int8_topk keeps (the
@@ -175,7 +177,7 @@ def _check_int8_mlp(seed, batch, d, n, d_out, share, activation, bias, threads, 
     dh = slope * err_g * (h[:, n:].abs() + err_u) + (g_act + slope * err_g) * err_u
     tol = (1e-4 * (kept.abs() @ w.abs() + (0 if b_down is None else b_down.double().abs()))
            + 2 * (dh * kept_ids) @ w.abs())
-    tol = tol + HALF_ULP[x_dtype] * (ref.abs() + tol)  # a half-precision result: rounded once at the end
+    tol = tol + rounding_to(x_dtype, ref, tol)  # a half-precision result: rounded once at the end
     assert torch.isfinite(out).all()
     err = (out.double() - ref).abs()
     assert bool((err <= tol + 1e-30).all()), (err / (tol + 1e-30)).max()

@@ -22,7 +22,7 @@ from dejavu_compile.compiler.quantize import (
 from dejavu_compile.kernels.cpu import native
 from dejavu_compile.testing.tiny import tiny_model
 from tests.helpers import token_ids
-from tests.kernel_reference import HALF_ULP
+from tests.kernel_reference import rounding_to
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(not native.load_ops(), reason=f"C++ ops unavailable: {native._OPS['error']}")
@@ -67,7 +67,7 @@ def _q8_reference(x, q, scales, b, dtype):
     magnitude = F.linear(x64.abs(), w.abs(), None if b is None else b.double().abs())
     x_step = x64.abs().amax(-1, keepdim=True) / 32767 / 2
     bound = x_step * w.abs().sum(1) + 2 * (x.shape[-1] + 4) * EPS32 * magnitude
-    return ref, bound + HALF_ULP[dtype] * (ref.abs() + bound) + 1e-30
+    return ref, bound + rounding_to(dtype, ref, bound) + 1e-30
 
 
 @settings(max_examples=80, deadline=None)
