@@ -9,10 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dejavu_compile.compiler.passes.decode_attention import MAX_QUERY_ROWS
+from dejavu_compile.compiler.passes.graph_utils import example_value
 from dejavu_compile.kernels.cpu import native
 from dejavu_compile.testing.tiny import tiny_model
 from tests.helpers import greedy_through_backend, token_ids
-from tests.kernel_reference import HALF_ULP, RTOL
+from tests.kernel_reference import RTOL, rounding_to
 
 pytestmark = pytest.mark.skipif(not native.load_ops(), reason=f"C++ ops unavailable: {native._OPS['error']}")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -78,7 +79,7 @@ def test_decode_attention_matches_float64(case, dtype, threads):
     scores = (q.double().abs().sum(-1).max() * k.double().abs().max()).item()  # bounds |q.k|
     bound = v.double().abs().max().item() * (1 + scores)
     fp32 = RTOL[torch.float32] * bound
-    tol = fp32 + HALF_ULP[dtype] * (ref.abs() + fp32)
+    tol = fp32 + rounding_to(dtype, ref, fp32)
     if case["rows"] > MAX_QUERY_ROWS:  # handed to aten's SDPA, which rounds inside in half precision
         tol = RTOL[dtype] * bound
     err = (out.double() - ref).abs()
@@ -160,3 +161,50 @@ def test_inductor_decode_with_the_attention_kernel_matches_eager(dtype):
                                                        options={"attention_lowering": "auto"})
     assert torch.equal(actual, expected)
     assert any(r.pass_counts.get("decode_attention", 0) == model.config.num_hidden_layers for r in reports)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_grouped_heads_read_the_cache_in_place(kv_heads):
+    """repeat_kv's copies drop out: the op takes each key/value head once, the logits stay eager's."""
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=kv_heads)
+    report = _decode_report(model)
+    assert report.pass_counts["decode_attention"] == model.config.num_hidden_layers
+    ops = [n for n in report.graph.graph.nodes if n.target is torch.ops.dejavu.cpu_decode_attention.default]
+    assert len(ops) == model.config.num_hidden_layers
+    assert all(example_value(n.args[i]).shape[1] == kv_heads for n in ops for i in (1, 2))
+    assert not [n for n in report.graph.graph.nodes  # repeat_kv's (B, H, n_rep, L, D) expansions are gone
+                if n.op == "call_method" and n.target == "expand" and example_value(n).dim() == 5]
+
+
+class _RepeatedHeads(torch.nn.Module):
+    """SDPA over keys and values repeated to the query heads, either as repeat_kv does (head h from
+    head h // n_rep) or tiled (head h from head h % kv_heads), which shares repeat_kv's ops but not
+    its shapes: only the first reads the cache in place, and both must match eager."""
+
+    def __init__(self, tiled: bool):
+        super().__init__()
+        self.tiled = tiled
+
+    def forward(self, q, k, v, mask):
+        b, h, length, d = k.shape
+        rep = q.shape[1] // h
+        if self.tiled:
+            k, v = (t[:, None].expand(b, rep, h, length, d).reshape(b, h * rep, length, d) for t in (k, v))
+        else:
+            k, v = (t[:, :, None, :, :].expand(b, h, rep, length, d).reshape(b, h * rep, length, d) for t in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_only_repeat_kv_is_read_in_place(tiled):
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 4, 1, 16, generator=gen), torch.randn(1, 2, 7, 16, generator=gen), torch.randn(
+        1, 2, 7, 16, generator=gen)
+    mask = torch.rand(1, 1, 1, 7, generator=gen) < 0.8
+    mask[..., -1] = True
+    module, reports = _RepeatedHeads(tiled), []
+    compiled = torch.compile(module, backend="dejavu", options={"inner": "eager", "attention_lowering": "auto",
+                                                                "on_report": reports.append})
+    torch.testing.assert_close(compiled(q, k, v, mask), module(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    (op,) = [n for n in reports[0].graph.graph.nodes if n.target is torch.ops.dejavu.cpu_decode_attention.default]
+    assert example_value(op.args[1]).shape[1] == (4 if tiled else 2)

@@ -5,6 +5,12 @@ At a decode step each sequence attends with one query row over its key/value cac
 grouped-query heads share their key/value head in place (no repeated copy), slots the mask removes
 are not read, sums are in fp32 and the result is rounded once. Exact up to summation order.
 
+Grouped-query models repeat each key/value head for its query heads before SDPA (Hugging Face's
+``repeat_kv``: ``x[:, :, None]`` expanded along the new dimension, then merged into the head
+dimension), which copies the whole cache at every step. Where the key and value are that
+expression of a cache tensor, the kernel takes the cache itself (query head h reads key/value head
+h // n_rep, the head ``repeat_kv`` gives it) and the copies drop out of the graph.
+
 It applies to SDPA calls on CPU tensors in fp32, bf16 or fp16 with at most ``MAX_QUERY_ROWS`` query
 rows per head, no dropout, no causal flag (Hugging Face models pass the mask instead), one head
 dimension for q, k and v, and a mask that is boolean or in fp32 or the model's dtype and broadcasts
@@ -15,6 +21,8 @@ Inductor's SDPA, ``benchmarks/results/decode-attention.json``); ``dense_lowering
 off with ``dense_linear``.
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -63,6 +71,55 @@ def lowerable(args: dict) -> str | None:
     return None
 
 
+def _shape(node) -> tuple | None:
+    value = example_value(node) if isinstance(node, fx.Node) else None
+    return tuple(value.shape) if _static_shape(value) else None
+
+
+def _inserts_unit_dims_only(node: fx.Node) -> bool:
+    """``x[...]`` indexed with full slices, None and Ellipsis only, or ``x.unsqueeze(dim)``: a view that
+    adds size-1 dimensions and keeps every element in place."""
+    if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2:
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        return all(i is None or i is Ellipsis or i == slice(None) for i in index)
+    return (node.op == "call_method" and node.target == "unsqueeze") or (
+        node.op == "call_function" and node.target is torch.unsqueeze)
+
+
+def repeated_kv_source(node) -> fx.Node | None:
+    """x when ``node`` is ``repeat_kv(x, n_rep)`` as Hugging Face writes it (x (B, H, L, D) -> x[:, :, None]
+    (B, H, 1, L, D) -> expand (B, H, n_rep, L, D) -> reshape (B, H * n_rep, L, D): head h of the
+    result is head h // n_rep of x); None for anything else. Matched on the ops and their shapes:
+    a reshape to that shape from that shape merges dimensions 1 and 2 whatever the sizes."""
+    if not isinstance(node, fx.Node) or not (
+            (node.op == "call_method" and node.target in ("reshape", "view"))
+            or (node.op == "call_function" and node.target is torch.reshape)):
+        return None
+    expanded = node.args[0]
+    if not (isinstance(expanded, fx.Node) and expanded.op == "call_method" and expanded.target == "expand"):
+        return None
+    unsqueezed = expanded.args[0]
+    if not (isinstance(unsqueezed, fx.Node) and _inserts_unit_dims_only(unsqueezed)
+            and isinstance(unsqueezed.args[0], fx.Node)):
+        return None
+    source = unsqueezed.args[0]
+    shapes = [_shape(n) for n in (source, unsqueezed, expanded, node)]
+    if any(s is None for s in shapes) or len(shapes[0]) != 4:
+        return None
+    (b, h, length, d), rep = shapes[0], shapes[2][2] if len(shapes[2]) == 5 else 0
+    if rep < 1 or shapes[1:] != [(b, h, 1, length, d), (b, h, rep, length, d), (b, h * rep, length, d)]:
+        return None
+    return source
+
+
+def _drop_if_unused(graph: fx.Graph, node) -> None:
+    """Erase ``node`` and then its inputs, while each has no other user (the repeat_kv copies)."""
+    while isinstance(node, fx.Node) and not node.users and node.op in ("call_method", "call_function"):
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        node = inputs[0] if len(inputs) == 1 else None
+
+
 class DecodeAttentionPass:
     """Rewrites the graph's decode-shaped CPU SDPA calls into the kernel table's decode attention.
     Counts the calls rewritten."""
@@ -76,7 +133,16 @@ class DecodeAttentionPass:
         graph, rewritten = gm.graph, 0
         for node in list(graph.nodes):
             args = sdpa_arguments(node)
-            if args is None or lowerable(args) is not None:
+            if args is None:
+                continue
+            traced = (args["key"], args["value"])
+            sources = [repeated_kv_source(t) for t in traced]
+            if all(s is not None for s in sources) and _shape(sources[0]) == _shape(sources[1]):
+                # the cache itself, each key/value head shared in place by its n_rep query heads
+                grouped = {**args, "key": sources[0], "value": sources[1], "enable_gqa": True}
+                if lowerable(grouped) is None:
+                    args = grouped
+            if lowerable(args) is not None:
                 continue
             kernel = dense_kernel("decode_attention", ctx.opts, example_value(args["query"]))
             if kernel is None:
@@ -87,6 +153,8 @@ class DecodeAttentionPass:
             out.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "val", "stack_trace")})
             node.replace_all_uses_with(out)
             graph.erase_node(node)
+            for t in traced:
+                _drop_if_unused(graph, t)
             rewritten += 1
         ctx.count(self.name, rewritten)
         return gm

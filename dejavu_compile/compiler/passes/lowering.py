@@ -116,7 +116,8 @@ class EmitDecodeAttention(Protocol):
     def __call__(self, graph: fx.Graph, q: fx.Node, k: fx.Node, v: fx.Node, attn_mask: Optional[fx.Node],
                  scale: Optional[float]) -> fx.Node:
         """scaled_dot_product_attention of a few query rows q (B, H, L, D) over a key/value cache
-        k, v (B, H_kv, S, D), H a multiple of H_kv, without dropout or causal flag: (B, H, L, D)."""
+        k, v (B, H_kv, S, D), H a multiple of H_kv (query head h reads key/value head h // (H / H_kv),
+        SDPA's enable_gqa), without dropout or causal flag: (B, H, L, D)."""
 
 
 # The roles a kernel table entry may fill, and the hook that fills each.
