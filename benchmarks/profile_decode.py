@@ -7,6 +7,7 @@ graphs, and the plan with its projections left to Inductor).
     python benchmarks/profile_decode.py --weights int8   # quantize_weights(model, "int8") (dense, exact,
                                                          # the default plan's k; exact also with one call
                                                          # per projection, and with the int8 prefetch off)
+    python benchmarks/profile_decode.py --weights int8 --variants "dejavu exact"   # some variants only
 
 For each variant (fp32 unless --dtype/--weights, batch 1, static cache, 2 threads unless --threads;
 through ``evaluation.bench.measure_decode``: every variant compiled first, then timed once per
@@ -51,6 +52,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--weights", default="float", choices=["float", "int8"],
                     help="int8: dejavu_compile.quantize_weights(model, 'int8') after the cast")
+    ap.add_argument("--variants", nargs="+", metavar="NAME",
+                    help="only these variants, named as printed (each compiles twice: about a minute on 2 cores)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -96,10 +99,15 @@ def main(argv=None) -> int:
     if args.dtype != "float32" or args.weights != "float":  # the fp32 profile answers the wrapper questions
         keep = ("Inductor dense", "dejavu exact", "dejavu exact, one call per projection", "dejavu default plan")
         variants = {name: variants[name] for name in keep}
+    if args.variants:
+        unknown = sorted(set(args.variants) - set(variants))
+        if unknown:
+            ap.error(f"unknown variant(s) {unknown}; choose from {sorted(variants)}")
+        variants = {name: variants[name] for name in args.variants}
     original = model.forward
     forwards = {name: wrap(original) for name, (wrap, _) in variants.items()}
     shared = set()  # variants running another's compiled forward: they compile nothing in the warm-up
-    if args.weights == "int8":  # the same compiled step with the int8 GEMV's software prefetch off
+    if args.weights == "int8" and "dejavu exact" in variants:  # the same compiled step, int8 prefetch off
         no_prefetch = "dejavu exact, no int8 prefetch"
         variants[no_prefetch] = variants["dejavu exact"]
         forwards[no_prefetch] = _with_tuning(forwards["dejavu exact"], int8_prefetch_rows=0)
