@@ -3,6 +3,7 @@ op (option ``attention_lowering``), over a static cache sized to the sequence an
 allocated once for longer sequences (what a server that compiles once keeps).
 
     python benchmarks/decode_attention.py [--dtypes float32 bfloat16] [--cache-lens 0 2048] [--repeats 5]
+    python benchmarks/decode_attention.py --dtypes float32 --weights int8   # quantize_weights(model, "int8")
 
 For each dtype and cache length (0: prompt + new tokens), dejavu exact with ``attention_lowering``
 "aten" and "auto", timed through ``evaluation.bench.measure_decode`` with ``greedy_decode`` (batch 1,
@@ -27,6 +28,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--weights", default="float", choices=["float", "int8"],
+                    help="int8: dejavu_compile.quantize_weights(model, 'int8') after the cast")
     ap.add_argument("--out", default=str(RESULTS / "decode-attention.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -40,6 +43,10 @@ def main(argv=None) -> int:
     rows = []
     for dtype_name in args.dtypes:
         model, tok = load_smollm2(getattr(torch, dtype_name))
+        if args.weights == "int8":
+            from dejavu_compile.compiler.quantize import quantize_weights
+
+            quantize_weights(model, "int8")
         ids = tok(DEMO_PROMPT, return_tensors="pt").input_ids
         wraps = {lowering: compiled_forward("dejavu", options={"attention_lowering": lowering})
                  for lowering in ("aten", "auto")}
@@ -49,14 +56,14 @@ def main(argv=None) -> int:
         for length in args.cache_lens:
             aten, auto = (next(v for v in variants if v.name == f"{lowering} {length}")
                           for lowering in ("aten", "auto"))
-            row = {"dtype": dtype_name, "cache_len": length or ids.shape[1] + args.new_tokens,
+            row = {"dtype": dtype_name, "weights": args.weights, "cache_len": length or ids.shape[1] + args.new_tokens,
                    "aten_tokens_per_s": results[aten.name]["tokens_per_s"],
                    "kernel_tokens_per_s": results[auto.name]["tokens_per_s"],
                    "aten_runs": results[aten.name]["runs"], "kernel_runs": results[auto.name]["runs"],
                    "tokens_equal": bool(torch.equal(aten.outputs, auto.outputs))}
             row["speedup"] = row["kernel_tokens_per_s"] / row["aten_tokens_per_s"]
             rows.append(row)
-            print(f"{dtype_name:9s} cache {row['cache_len']:5d} slots: "
+            print(f"{dtype_name:9s} {args.weights:5s} weights, cache {row['cache_len']:5d} slots: "
                   f"SDPA via Inductor {row['aten_tokens_per_s']:6.1f}"
                   f"  decode attention op {row['kernel_tokens_per_s']:6.1f} tokens/s  ({row['speedup']:.2f}x)"
                   f"  greedy tokens equal: {row['tokens_equal']}", flush=True)
