@@ -31,6 +31,7 @@ def attention_cases(draw):
     mask_shape = mask_shape[draw(st.integers(0, 2)):]  # fewer dimensions (2 at least, as SDPA takes)
     return dict(batch=batch, heads=kv_heads * group, kv_heads=kv_heads, rows=rows, slots=slots, dim=dim,
                 spare=draw(st.sampled_from([0, 5])), mask=draw(st.sampled_from(["none", "bool", "additive"])),
+                last_kept=draw(st.one_of(st.just(slots - 1), st.integers(0, slots - 1))),
                 mask_shape=mask_shape, scale=draw(st.sampled_from([None, 0.3])), q_transposed=draw(st.booleans()),
                 seed=draw(st.integers(0, 2**31)))
 
@@ -46,7 +47,10 @@ def attention_problem(c, dtype):
     mask = None
     if c["mask"] != "none":
         keep = torch.rand(c["mask_shape"], generator=gen) < 0.7
-        keep[..., -1] = True  # every row attends somewhere (a fully masked row has its own test)
+        # every row attends somewhere (a fully masked row has its own test), and the slots after
+        # last_kept are masked out, as a static cache's unused end is
+        keep[..., c["last_kept"]] = True
+        keep[..., c["last_kept"] + 1:] = False
         mask = keep if c["mask"] == "bool" else torch.zeros(c["mask_shape"]).masked_fill(~keep, float("-inf")).to(
             dtype)
     return q, k, v, mask

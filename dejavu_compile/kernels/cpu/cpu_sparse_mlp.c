@@ -1099,9 +1099,17 @@ void dejavu_decode_attention(const float *q, int64_t nb, int64_t heads, int64_t 
         const int64_t m_off = b * m_strides[0] + h * m_strides[1] + l * m_strides[2];
         const uint8_t *keep = mask && mask_is_bool ? (const uint8_t *)mask + m_off : NULL;
         const float *add_row = mask && !mask_is_bool ? (const float *)mask + m_off : NULL;
+        /* the slots after the last one the mask keeps are not visited: a static cache allocated for
+           long sequences is mostly masked slots at its end, and scoring each took longer than the kept
+           ones together */
+        int64_t S_row = S;
+        if (keep)
+            while (S_row > 0 && !keep[(S_row - 1) * m_strides[3]]) S_row--;
+        else if (add_row)
+            while (S_row > 0 && add_row[(S_row - 1) * m_strides[3]] == -INFINITY) S_row--;
         float top = -INFINITY;
         int nan = 0;
-        for (int64_t s = 0; s < S; s++) {
+        for (int64_t s = 0; s < S_row; s++) {
             const float add = keep ? (keep[s * m_strides[3]] ? 0.0f : -INFINITY) : add_row ? add_row[s * m_strides[3]] : 0.0f;
             sc[s] = add == -INFINITY ? -INFINITY : scale * dot_typed(kb + s * k_strides[2] * eb, kv_type, qr, d) + add;
             top = sc[s] > top ? sc[s] : top;
@@ -1114,7 +1122,7 @@ void dejavu_decode_attention(const float *q, int64_t nb, int64_t heads, int64_t 
         }
         if (top == -INFINITY) continue;
         float total = 0.0f;
-        for (int64_t s = 0; s < S; s++) {
+        for (int64_t s = 0; s < S_row; s++) {
             const float p = sc[s] == -INFINITY ? 0.0f : expf(sc[s] - top);
             total += p;
             if (p != 0.0f) axpy_typed(o, p, vb + s * v_strides[2] * eb, kv_type, d);
