@@ -137,8 +137,9 @@ class DecodeAttentionPass:
                 continue
             traced = (args["key"], args["value"])
             sources = [repeated_kv_source(t) for t in traced]
-            if all(s is not None for s in sources) and _shape(sources[0]) == _shape(sources[1]):
-                # the cache itself, each key/value head shared in place by its n_rep query heads
+            if all(s is not None for s in sources):
+                # the cache itself, each key/value head shared in place by its n_rep query heads (lowerable
+                # checks that key and value agree)
                 grouped = {**args, "key": sources[0], "value": sources[1], "enable_gqa": True}
                 if lowerable(grouped) is None:
                     args = grouped
