@@ -6,8 +6,9 @@ allocated once for longer sequences (what a server that compiles once keeps).
     python benchmarks/decode_attention.py --dtypes float32 --weights int8   # quantize_weights(model, "int8")
 
 For each dtype and cache length (0: prompt + new tokens), dejavu exact with ``attention_lowering``
-"aten" and "auto", timed through ``evaluation.bench.measure_decode`` with ``greedy_decode`` (batch 1,
-48 new tokens, interleaved rounds, medians), and whether the greedy tokens are equal. Writes
+"aten" and "auto" (each cache length compiled with a static slot count), timed through
+``evaluation.bench.measure_decode`` with ``greedy_decode`` (batch 1, 48 new tokens, interleaved
+rounds, medians), and whether the greedy tokens are equal. Writes
 benchmarks/results/decode-attention.json.
 """
 from __future__ import annotations
@@ -48,7 +49,10 @@ def main(argv=None) -> int:
 
             quantize_weights(model, "int8")
         ids = tok(DEMO_PROMPT, return_tensors="pt").input_ids
-        wraps = {lowering: compiled_forward("dejavu", options={"attention_lowering": lowering})
+        # dynamic=False: each cache length compiles its own graph with a static slot count, as a server
+        # compiled for one cache size runs (without it the second length would be compiled with a
+        # symbolic slot count, shared by every variant of this process)
+        wraps = {lowering: compiled_forward("dejavu", options={"attention_lowering": lowering}, dynamic=False)
                  for lowering in ("aten", "auto")}
         variants = [Variant(f"{lowering} {length}", wrap, loop="greedy_decode", max_cache_len=length or None)
                     for length in args.cache_lens for lowering, wrap in wraps.items()]
