@@ -128,7 +128,7 @@ def test_decode_attention_opcheck():
 def _decode_report(model, tokens=1, options=None):
     reports = []
     ids = torch.randint(3, 100, (1, tokens), generator=torch.Generator().manual_seed(1))
-    options = {"inner": "eager", "attention_lowering": "auto", **(options or {}), "on_report": reports.append}
+    options = {"inner": "eager", **(options or {}), "on_report": reports.append}
     compiled = torch.compile(model, backend="dejavu", options=options)
     with torch.no_grad():
         torch.testing.assert_close(compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits,
@@ -144,16 +144,14 @@ def test_decode_graph_attention_goes_through_the_kernel(arch):
     assert _decode_report(model).pass_counts["decode_attention"] == model.config.num_hidden_layers
 
 
-def test_prefill_default_and_aten_options_keep_sdpa():
-    """The op is opt-in (attention_lowering="auto"); prefill and dense_lowering="aten" keep SDPA too."""
+def test_prefill_and_aten_options_keep_sdpa():
+    """The op is the default for decode graphs; prefill, attention_lowering="aten" and
+    dense_lowering="aten" keep SDPA."""
     model = tiny_model("llama", layers=1)
+    assert _decode_report(model).pass_counts["decode_attention"] == 1
     assert _decode_report(model, tokens=MAX_QUERY_ROWS + 1).pass_counts["decode_attention"] == 0
     for options in ({"attention_lowering": "aten"}, {"dense_lowering": "aten"}):
         assert _decode_report(model, options=options).pass_counts["decode_attention"] == 0
-    reports = []
-    torch.compile(model, backend="dejavu", options={"inner": "eager", "on_report": reports.append})(
-        token_ids(tokens=1), use_cache=False)
-    assert reports[0].pass_counts["decode_attention"] == 0
 
 
 @pytest.mark.slow
@@ -212,3 +210,24 @@ def test_only_repeat_kv_is_read_in_place(tiled):
     torch.testing.assert_close(compiled(q, k, v, mask), module(q, k, v, mask), rtol=1e-5, atol=1e-5)
     (op,) = [n for n in reports[0].graph.graph.nodes if n.target is torch.ops.dejavu.cpu_decode_attention.default]
     assert example_value(op.args[1]).shape[1] == (4 if tiled else 2)
+
+
+def test_a_symbolic_cache_length_goes_through_the_kernel():
+    """Once Dynamo has seen two cache lengths it compiles the slot count as a symbol (a server whose
+    requests allocate caches of different sizes): the op still takes the call, under Inductor, and
+    one compiled graph serves every length with eager's values."""
+    module, reports = _RepeatedHeads(tiled=False), []
+    compiled = torch.compile(module, backend="dejavu", options={"attention_lowering": "auto",
+                                                                "on_report": reports.append})
+    gen = torch.Generator().manual_seed(5)
+    for slots in (7, 12, 20):
+        q = torch.randn(1, 4, 1, 16, generator=gen)
+        k, v = torch.randn(2, 1, 2, slots, 16, generator=gen)
+        mask = torch.rand(1, 1, 1, slots, generator=gen) < 0.8
+        mask[..., 0] = True
+        torch.testing.assert_close(compiled(q, k, v, mask), module(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+    assert len(reports) == 2  # the first length's graph, then one with a symbolic slot count
+    (op,) = [n for n in reports[1].graph.graph.nodes if n.target is torch.ops.dejavu.cpu_decode_attention.default]
+    key = example_value(op.args[1])
+    assert key.shape[1] == 2 and isinstance(key.shape[2], torch.SymInt)

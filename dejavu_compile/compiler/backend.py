@@ -41,9 +41,9 @@ OPTION_DEFAULTS: dict[str, Any] = {
     # projection; "aten": left to the inner compiler
     "dense_lowering": "auto",
     # SDPA of CPU decode graphs (at most 16 query rows): "auto" through the kernel table's decode
-    # attention (the C++ op, passes/decode_attention.py), "aten": left to the inner compiler. Off by
-    # default: on SmolLM2 it measured no faster than Inductor's SDPA (benchmarks/results/decode-attention.json)
-    "attention_lowering": "aten",
+    # attention (the C++ op, passes/decode_attention.py: the cache read in place, its unused end not
+    # visited, so a static cache longer than the sequence costs little), "aten": left to the inner compiler
+    "attention_lowering": "auto",
 }
 INNER_CHOICES = ("inductor", "eager")
 

@@ -15,10 +15,10 @@ It applies to SDPA calls on CPU tensors in fp32, bf16 or fp16 with at most ``MAX
 rows per head, no dropout, no causal flag (Hugging Face models pass the mask instead), one head
 dimension for q, k and v, and a mask that is boolean or in fp32 or the model's dtype and broadcasts
 to (batch, heads, rows, slots); others stay as traced. Training graphs and graphs that need
-gradients are left alone. The pass runs only with ``attention_lowering="auto"`` (the default,
-"aten", leaves SDPA to the inner compiler: on SmolLM2 decode the op measured no faster than
-Inductor's SDPA, ``benchmarks/results/decode-attention.json``); ``dense_lowering="aten"`` turns it
-off with ``dense_linear``.
+gradients are left alone. The pass runs with ``attention_lowering="auto"`` (the default; "aten"
+leaves SDPA to the inner compiler, which copies the repeated cache at every step and visits every
+slot: ``benchmarks/results/decode-attention.json``); ``dense_lowering="aten"`` turns it off with
+``dense_linear``.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dejavu_compile.compiler.passes.dense_linear import KERNEL_DTYPES, decode_lowering_off
 from dejavu_compile.compiler.passes.graph_utils import example_value, sdpa_arguments
@@ -35,15 +36,33 @@ from dejavu_compile.compiler.passes.lowering import dense_kernel
 MAX_QUERY_ROWS = 16
 
 
-def _static_shape(t) -> bool:
-    return isinstance(t, torch.Tensor) and all(isinstance(s, int) for s in t.shape)
+def _static_shape(t, symbolic_dims=()) -> bool:
+    """A tensor whose sizes are ints, except at ``symbolic_dims`` (counted from the end), where a size
+    may be symbolic."""
+    return isinstance(t, torch.Tensor) and all(
+        isinstance(s, int) or (i - t.dim() in symbolic_dims and isinstance(s, torch.SymInt))
+        for i, s in enumerate(t.shape))
+
+
+def _same(a, b) -> bool:
+    """Sizes known equal from the graph alone (an int, or the same symbolic size): no shape guard is added."""
+    return statically_known_true(a == b)
+
+
+def _may_match(a, b) -> bool:
+    """Sizes equal, or one of them symbolic: the kernel compares the sizes it is given at run time and
+    raises on a mismatch (where SDPA would raise too)."""
+    return isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt) or a == b
 
 
 def lowerable(args: dict) -> str | None:
-    """Why this SDPA call keeps its traced op, or None when the decode kernel takes it."""
+    """Why this SDPA call keeps its traced op, or None when the decode kernel takes it. The number of
+    cache slots may be symbolic: Dynamo makes it so once it has seen two cache lengths (a server whose
+    requests allocate static caches of different sizes), and the kernel reads it from the tensors."""
     q, k, v = (example_value(args[n]) for n in ("query", "key", "value"))
-    if not all(_static_shape(t) and t.dim() == 4 for t in (q, k, v)):
-        return "not 4-D (batch, heads, rows, dim) tensors of static shape"
+    if not (_static_shape(q) and all(_static_shape(t, symbolic_dims=(-2,)) for t in (k, v))
+            and all(t.dim() == 4 for t in (q, k, v))):
+        return "not 4-D (batch, heads, rows, dim) tensors of static shape (but for the cache's slot count)"
     if any(t.device.type != "cpu" for t in (q, k, v)):
         return "not on the CPU"
     if q.dtype not in KERNEL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -56,24 +75,27 @@ def lowerable(args: dict) -> str | None:
         return "a scale that is not a constant"
     batch, heads, rows, dim = q.shape
     kv_heads = k.shape[1]
-    if k.shape[0] != batch or tuple(v.shape[:3]) != tuple(k.shape[:3]) or k.shape[3] != dim or v.shape[3] != dim:
+    if k.shape[0] != batch or (k.shape[1], v.shape[0], v.shape[1]) != (kv_heads, batch, kv_heads) \
+            or not _may_match(v.shape[2], k.shape[2]) or k.shape[3] != dim or v.shape[3] != dim:
         return "keys and values whose shapes differ from the query's"
     if kv_heads != heads and not (args["enable_gqa"] is True and kv_heads > 0 and heads % kv_heads == 0):
         return "query heads that are not the key/value heads or a multiple of them under enable_gqa"
     mask = args["attn_mask"]
     if mask is not None:
         m = example_value(mask)
-        if not _static_shape(m) or m.device.type != "cpu" or m.dtype not in (torch.bool, torch.float32, q.dtype):
+        if not _static_shape(m, symbolic_dims=(-1,)) or m.device.type != "cpu" \
+                or m.dtype not in (torch.bool, torch.float32, q.dtype):
             return "a mask that is not boolean or of the model's dtype"
         full = (batch, heads, rows, k.shape[2])
-        if m.dim() > 4 or any(s not in (1, f) for s, f in zip(m.shape[::-1], full[::-1])):
-            return f"a mask of shape {tuple(m.shape)} that does not broadcast to {full}"
+        if m.dim() > 4 or not all(_same(s, 1) or _may_match(s, f) for s, f in zip(m.shape[::-1], full[::-1])):
+            return f"a mask of shape {tuple(m.shape)} that does not broadcast to {tuple(full)}"
     return None
 
 
 def _shape(node) -> tuple | None:
+    """The node's shape; its length dimension (the second to last) may be symbolic."""
     value = example_value(node) if isinstance(node, fx.Node) else None
-    return tuple(value.shape) if _static_shape(value) else None
+    return tuple(value.shape) if _static_shape(value, symbolic_dims=(-2,)) else None
 
 
 def _inserts_unit_dims_only(node: fx.Node) -> bool:
@@ -107,7 +129,10 @@ def repeated_kv_source(node) -> fx.Node | None:
     if any(s is None for s in shapes) or len(shapes[0]) != 4:
         return None
     (b, h, length, d), rep = shapes[0], shapes[2][2] if len(shapes[2]) == 5 else 0
-    if rep < 1 or shapes[1:] != [(b, h, 1, length, d), (b, h, rep, length, d), (b, h * rep, length, d)]:
+    expected = [(b, h, 1, length, d), (b, h, rep, length, d), (b, h * rep, length, d)]
+    if not isinstance(rep, int) or rep < 1 or not all(
+            len(got) == len(want) and all(_same(g, w) for g, w in zip(got, want))
+            for got, want in zip(shapes[1:], expected)):
         return None
     return source
 
@@ -128,7 +153,7 @@ class DecodeAttentionPass:
 
     def __call__(self, gm: fx.GraphModule, ctx) -> fx.GraphModule:
         ctx.count(self.name, 0)
-        if decode_lowering_off(gm, ctx) or ctx.opts.get("attention_lowering", "aten") == "aten":
+        if decode_lowering_off(gm, ctx) or ctx.opts.get("attention_lowering", "auto") == "aten":
             return gm
         graph, rewritten = gm.graph, 0
         for node in list(graph.nodes):
