@@ -37,6 +37,9 @@ def greedy_decode(model, input_ids: torch.LongTensor, max_new_tokens: int, *, eo
     so the graph the second step ran is the one the guards would pick, provided that step compiled
     nothing new (it is checked: otherwise the guards stay on). Unsafe in torch's sense: a model whose
     forward specializes on a value that changes from step to step would silently reuse a stale graph.
+    Dynamo keeps the guards of inputs that are not ``nn.Parameter`` s under that stance, so it saves
+    nothing for the int8 weights of ``quantize_weights``, which are buffers
+    (``benchmarks/step_overhead.py``).
     """
     from transformers import StaticCache
 
