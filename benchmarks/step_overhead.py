@@ -26,8 +26,6 @@ import time
 
 import torch
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-
 
 class TimedBackend:
     """The dejavu backend, with each compiled graph's calls timed (``times``) and, while ``noop`` is
@@ -74,6 +72,7 @@ def main(argv=None) -> int:
     from dejavu_compile.assets.models import load_smollm2
     from dejavu_compile.cli import DEMO_PROMPT
     from dejavu_compile.compiler.prepare import prepare_model
+    from dejavu_compile.compiler.quantize import resident_bytes
     from dejavu_compile.evaluation.bench import cpu_info, machine_description
     from dejavu_compile.evaluation.decode import cache_keyword
 
@@ -86,7 +85,7 @@ def main(argv=None) -> int:
         print(quantize_weights(model, "int8"))
     machine = "{}; {cpu}, {isa}".format(machine_description(), **cpu_info())
     print(f"machine: {machine}")
-    weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    weight_bytes = resident_bytes(model)
     sweep = torch.ones(weight_bytes // 4)  # streamed before a step: what the step's own weights leave in the cache
 
     backend = TimedBackend({})
