@@ -61,12 +61,12 @@ def main(argv=None) -> int:
     from dejavu_compile.cli import BUNDLED, DEMO_PROMPT, _default_plan_dir, load_or_calibrate
     from dejavu_compile.compiler.prepare import prepare_model
     from dejavu_compile.evaluation.bandwidth import bandwidth_bound
-    from dejavu_compile.evaluation.bench import Variant, compiled_forward, cpu_info, machine_description, measure_decode
+    from dejavu_compile.evaluation.bench import Variant, compiled_forward, cpu_machine_description, measure_decode
 
     model, tok = load_smollm2()
     model.eval()
     ids = tok(DEMO_PROMPT, return_tensors="pt").input_ids
-    print("machine: {}; {cpu}, {isa}".format(machine_description(), **cpu_info()))
+    print(f"machine: {cpu_machine_description()}")
     plan = load_or_calibrate(model, tok, _default_plan_dir(model, BUNDLED))
     model.to(getattr(torch, args.dtype))  # the plan was calibrated on the fp32 weights this rounds
     prepare_model(model)

@@ -19,8 +19,6 @@ figure is the median over rounds of a round's median step.
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import statistics
 import time
 
@@ -69,21 +67,13 @@ def main(argv=None) -> int:
 
     from transformers import StaticCache
 
-    from dejavu_compile.assets.models import load_smollm2
     from dejavu_compile.cli import DEMO_PROMPT
-    from dejavu_compile.compiler.prepare import prepare_model
     from dejavu_compile.compiler.quantize import resident_bytes
-    from dejavu_compile.evaluation.bench import cpu_info, machine_description
+    from dejavu_compile.evaluation.bench import cpu_machine_description, prepared_smollm2, write_result
     from dejavu_compile.evaluation.decode import cache_keyword
 
-    model, tok = load_smollm2()
-    model.eval()
-    prepare_model(model)
-    if args.weights == "int8":
-        from dejavu_compile.compiler.quantize import quantize_weights
-
-        print(quantize_weights(model, "int8"))
-    machine = "{}; {cpu}, {isa}".format(machine_description(), **cpu_info())
+    model, tok = prepared_smollm2(args.weights)
+    machine = cpu_machine_description()
     print(f"machine: {machine}")
     weight_bytes = resident_bytes(model)
     sweep = torch.ones(weight_bytes // 4)  # streamed before a step: what the step's own weights leave in the cache
@@ -154,10 +144,7 @@ def main(argv=None) -> int:
                       decode_graph_arguments=backend.inputs[-1], step_ms=ms,
                       inside_compiled_graph_ms=inside_ms, outside_compiled_graph_ms=ms["decode step"] - inside_ms,
                       rounds_ms={name: [1e3 * v for v in values] for name, values in results.items()})
-        path = pathlib.Path(args.out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record, indent=1) + "\n")
-        print(f"wrote {path}")
+        write_result(args.out, record)
     return 0
 
 

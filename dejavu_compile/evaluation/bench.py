@@ -187,6 +187,40 @@ def machine_description() -> str:
             f"torch {torch.__version__}, {device}")
 
 
+def cpu_machine_description() -> str:
+    """machine_description() with the CPU's model and the vector extension the C kernels use."""
+    return "{}; {cpu}, {isa}".format(machine_description(), **cpu_info())
+
+
+def write_result(path, record: dict) -> None:
+    """A benchmark's JSON result file, its folder made if missing; says where it went."""
+    import json
+    import pathlib
+
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+def prepared_smollm2(weights: str = "float"):
+    """The bundled SmolLM2-135M and its tokenizer as the CPU decode benchmarks run it: eval mode,
+    ``prepare_model``, and with ``weights="int8"`` ``quantize_weights`` (its report printed)."""
+    from dejavu_compile.assets.models import load_smollm2
+    from dejavu_compile.compiler.prepare import prepare_model
+
+    if weights not in ("float", "int8"):
+        raise ValueError(f"weights must be 'float' or 'int8', got {weights!r}")
+    model, tok = load_smollm2()
+    model.eval()
+    prepare_model(model)
+    if weights == "int8":
+        from dejavu_compile.compiler.quantize import quantize_weights
+
+        print(quantize_weights(model, "int8"))
+    return model, tok
+
+
 def compiled_forward(backend, **compile_kwargs) -> Callable:
     def wrap(forward):
         compiled = torch.compile(forward, backend=backend, **compile_kwargs)
