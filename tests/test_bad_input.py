@@ -48,15 +48,19 @@ def _assign_new_parameter(model, other):
         mine.mlp.up_proj.weight.data = theirs.mlp.up_proj.weight.detach().clone()
 
 
+@pytest.mark.parametrize("skip_module_guards", [False, True], ids=["guards kept", "module guards skipped"])
 @pytest.mark.parametrize("change", [_load_other_checkpoint, _edit_in_place, _assign_new_parameter])
-def test_weights_changed_after_compiling_mlp_density_derives_its_copies_again(change):
+def test_weights_changed_after_compiling_mlp_density_derives_its_copies_again(change, skip_module_guards):
     """The training-free plan's int8 gate/up copies follow the weights: after a change, the compiled
-    function gives what a fresh compile on the new weights gives (the same neurons, the same values)."""
+    function gives what a fresh compile on the new weights gives (the same neurons, the same values).
+    Also with Dynamo's guards on the modules dropped (torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+    benchmarks/module_guards.py): the backend's own check of the weights does not rest on them."""
     model, other = tiny_model("llama", layers=2), tiny_model("llama", layers=2, seed=1)
     ids = token_ids(tokens=5)
     options = {"mlp_density": 0.6, "inner": "eager", "strict": True}
     tokens = _greedy_tokens(model, ids, 3)
-    forward = torch.compile(model.forward, backend="dejavu", options=options)
+    guard_filter = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} if skip_module_guards else {}
+    forward = torch.compile(model.forward, backend="dejavu", options={**options, **guard_filter})
     try:
         before = decode_logits(forward, model, ids, tokens)
         torch.testing.assert_close(before, _fresh_compile_logits(model, options, ids, tokens), rtol=1e-5, atol=1e-5)

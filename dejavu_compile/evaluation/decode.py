@@ -39,7 +39,9 @@ def greedy_decode(model, input_ids: torch.LongTensor, max_new_tokens: int, *, eo
     forward specializes on a value that changes from step to step would silently reuse a stale graph.
     Dynamo keeps the guards of inputs that are not ``nn.Parameter`` s under that stance, so it saves
     nothing for the int8 weights of ``quantize_weights``, which are buffers
-    (``benchmarks/step_overhead.py``).
+    (``benchmarks/step_overhead.py``). Compiling with ``torch.compile``'s
+    ``options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}`` drops the
+    guards on the model's modules for every call, under any loop (``benchmarks/module_guards.py``).
     """
     from transformers import StaticCache
 
