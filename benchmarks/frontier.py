@@ -4,6 +4,7 @@ at each of its weight formats beside llama.cpp at its formats of the same weight
     python benchmarks/frontier.py     # benchmarks/results/frontier.json and frontier.png
     python benchmarks/frontier.py --new-tokens 48 --repeats 5 --threads 2 --eval-tokens 2048
     python benchmarks/frontier.py --llama1b   # results/frontier-llama1b.json: the byte bounds (below)
+    python benchmarks/frontier.py --skip-module-guards --out benchmarks/results/frontier-avx2-module-guards.json
 
 dejavu: the model in fp32, in bf16 (``model.to(torch.bfloat16)``) and in int8
 (``quantize_weights(model, "int8")`` over fp32), each exact (the backend with no plan) and under the
@@ -14,7 +15,9 @@ model loads, requantized to F32, BF16, Q8_0, Q6_K, Q4_K_M and Q4_0.
 
 Speed: every variant through ``generate()`` (a static cache for the torch models, llama-cpp-python's
 own loop for llama.cpp), batch 1, greedy, the same prompt, rounds interleaved, medians
-(``evaluation.bench.measure_decode``). Quality: perplexity on the same held-out token ids (the
+(``evaluation.bench.measure_decode``); with ``--skip-module-guards`` the dejavu variants compile
+without Dynamo's guards on the model's modules (``benchmarks/module_guards.py`` measures what they
+cost). Quality: perplexity on the same held-out token ids (the
 bundled Wikipedia evaluation split and news texts, pooled), dejavu's computed by
 ``evaluation.perplexity`` (the default plan's by the backend's masked simulation), llama.cpp's by
 llama.cpp itself with every position's logits; each also as its increase over the fp32 dense
@@ -183,6 +186,9 @@ def main(argv=None) -> int:
     ap.add_argument("--llama1b", action="store_true", help="the Llama-3.2-1B-shaped byte-bound run instead")
     ap.add_argument("--llama1b-densities", type=float, nargs="+", default=[0.5, 0.25])
     ap.add_argument("--llama1b-new-tokens", type=int, default=16)
+    ap.add_argument("--skip-module-guards", action="store_true",
+                    help="compile the dejavu variants with torch.compile's guard_filter_fn="
+                         "torch.compiler.skip_guard_on_all_nn_modules_unsafe (docs/usage.md)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -213,15 +219,20 @@ def main(argv=None) -> int:
     models = dejavu_models(model)
     llamas = llama_cpp_models(args.threads, LLAMA_CPP_FORMATS)
 
-    exact = compiled_forward("dejavu")
-    planned = compiled_forward("dejavu", options={"plan": plan})
+    guards = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} if args.skip_module_guards else {}
+    info["module_guards"] = "skipped" if args.skip_module_guards else "kept"
     configs = {}  # variant name -> (format, config, plan or None)
     variants = []
     for fmt, m in models.items():
-        for config, wrap, p in (("exact", exact, None), ("default plan", planned, plan)):
+        for config, p in (("exact", None), ("default plan", plan)):
             name = f"dejavu {fmt} {config}"
             configs[name] = ("dejavu", fmt, config, p)
-            variants.append(Variant(name, wrap, model=m))
+            # options of its own per variant: torch.compile takes guard_filter_fn out of the dict it is given
+            options = {**({"plan": p} if p is not None else {}), **guards}
+            # without the module guards the bf16 and int8 copies would run the fp32 model's graphs (nothing
+            # checks their weights' dtype): each compiled forward keeps its graphs apart
+            isolate = {"isolate_recompiles": True} if guards else {}
+            variants.append(Variant(name, compiled_forward("dejavu", options=options, **isolate), model=m))
     for name, llm in llamas.items():
         configs[name] = ("llama.cpp", name.removeprefix("llama.cpp "), "", None)
         variants.append(Variant(name, run=lambda n, llm=llm: llama_cpp_run(llm, DEMO_PROMPT, n)))

@@ -14,9 +14,11 @@ GEMV), each with its own Dynamo cache (``isolate_recompiles=True``) and guard fi
   ``_parameters`` or ``_buffers`` are dropped, every other guard is kept;
 - module guards skipped: ``torch.compiler.skip_guard_on_all_nn_modules_unsafe``, every guard whose
   source is a module attribute is dropped. Unsafe in torch's sense: a module attribute changed after
-  compiling (``model.train()``, a config flag, a hook, a new submodule) no longer recompiles; the
-  weights are still read from the modules on every call, so values edited in place or parameters
-  replaced by ones of the same shape and dtype are used (and the backend's WeightWatch still sees them).
+  compiling (``model.train()``, ``.to()`` another dtype, a config flag, a hook, a new submodule) no
+  longer recompiles, and another model of the same class compiled in the same process would run
+  these graphs (hence ``isolate_recompiles=True``); the weights are still read from the modules on
+  every call, so values edited in place or parameters replaced by ones of the same shape and dtype
+  are used (and the backend's WeightWatch still sees them).
 
 Timed through ``evaluation.bench.measure_decode`` (interleaved rounds, decode tokens/s with the
 prefill subtracted, the timed rounds under ``error_on_recompile``, medians); the three must give the

@@ -41,7 +41,8 @@ def greedy_decode(model, input_ids: torch.LongTensor, max_new_tokens: int, *, eo
     nothing for the int8 weights of ``quantize_weights``, which are buffers
     (``benchmarks/step_overhead.py``). Compiling with ``torch.compile``'s
     ``options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}`` drops the
-    guards on the model's modules for every call, under any loop (``benchmarks/module_guards.py``).
+    guards on the model's modules for every call, under any loop (``benchmarks/module_guards.py``;
+    what that gives up, weight dtype checks included: ``docs/usage.md``, "The decode path").
     """
     from transformers import StaticCache
 
