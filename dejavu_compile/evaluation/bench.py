@@ -223,7 +223,12 @@ def prepared_smollm2(weights: str = "float"):
 
 def compiled_forward(backend, **compile_kwargs) -> Callable:
     def wrap(forward):
-        compiled = torch.compile(forward, backend=backend, **compile_kwargs)
+        # torch.compile pops keys (guard_filter_fn) out of the options it is given: each compile gets
+        # a copy, so one wrap applied to several forwards compiles each with the same options
+        kwargs = dict(compile_kwargs)
+        if isinstance(kwargs.get("options"), dict):
+            kwargs["options"] = dict(kwargs["options"])
+        compiled = torch.compile(forward, backend=backend, **kwargs)
 
         def step(*args, **kwargs):
             # Each call is a new decode step: CUDA-graph trees may reuse the last step's output
