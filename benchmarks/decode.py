@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import pathlib
 import sys
 import time
@@ -263,7 +262,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.densities, args.new_tokens, args.repeats, args.eval_tokens = [0.5], 24, 2, 1024
     torch.set_num_threads(args.threads)
-    from dejavu_compile.evaluation.bench import machine_description
+    from dejavu_compile.evaluation.bench import machine_description, write_result
 
     report = {"machine": machine_description(), "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d")}
     if not args.skip_smollm2:
@@ -271,10 +270,9 @@ def main(argv=None) -> int:
     if not args.skip_synthetic:
         run_synthetic(args, report)
     out = pathlib.Path(args.out) if args.out else RESULTS / "decode.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    print(f"\nmachine: {report['machine']}")
+    write_result(out, report)
     plot(report, out.with_suffix(".png"))
-    print(f"\nmachine: {report['machine']}\nwrote {out}")
     return 0
 
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import pathlib
 import sys
 
@@ -196,7 +195,7 @@ def main(argv=None) -> int:
     from dejavu_compile.assets.models import load_smollm2
     from dejavu_compile.cli import BUNDLED, DEMO_PROMPT, _default_plan_dir, load_or_calibrate, machine
     from dejavu_compile.compiler.quantize import resident_bytes
-    from dejavu_compile.evaluation.bench import Variant, compiled_forward, cpu_info, measure_decode
+    from dejavu_compile.evaluation.bench import Variant, compiled_forward, cpu_info, measure_decode, write_result
     from dejavu_compile.evaluation.perplexity import perplexity
     from dejavu_compile.kernels.cpu import native
 
@@ -206,11 +205,8 @@ def main(argv=None) -> int:
             "eval_tokens_per_set": args.eval_tokens}
     print(f"machine: {info}")
     if args.llama1b:
-        out = pathlib.Path(args.out or RESULTS / "frontier-llama1b.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(llama1b(args, {k: v for k, v in info.items() if k != "eval_tokens_per_set"}),
-                                  indent=1))
-        print(f"wrote {out}")
+        write_result(args.out or RESULTS / "frontier-llama1b.json",
+                     llama1b(args, {k: v for k, v in info.items() if k != "eval_tokens_per_set"}))
         return 0
     model, tok = load_smollm2()
     model.eval()
@@ -227,7 +223,6 @@ def main(argv=None) -> int:
         for config, p in (("exact", None), ("default plan", plan)):
             name = f"dejavu {fmt} {config}"
             configs[name] = ("dejavu", fmt, config, p)
-            # options of its own per variant: torch.compile takes guard_filter_fn out of the dict it is given
             options = {**({"plan": p} if p is not None else {}), **guards}
             # without the module guards the bf16 and int8 copies would run the fp32 model's graphs (nothing
             # checks their weights' dtype): each compiled forward keeps its graphs apart
@@ -266,10 +261,9 @@ def main(argv=None) -> int:
     for row in versus:
         best = "none" if row["dejavu"] is None else f"{row['dejavu']} at {row['speed_ratio']:.2f}x its tokens/s"
         print(f"{row['llama.cpp']}: dejavu's fastest point at no worse perplexity: {best}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    write_result(out, result)
     plot(points, info, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    print(f"wrote {out.with_suffix('.png')}")
     return 0
 
 

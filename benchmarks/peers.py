@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import pathlib
 import sys
@@ -156,7 +155,7 @@ def main(argv=None) -> int:
     from dejavu_compile.cli import BUNDLED, DEMO_PROMPT, _default_plan_dir, load_or_calibrate, machine
     from dejavu_compile.compiler.prepare import prepare_model
     from dejavu_compile.compiler.quantize import resident_bytes
-    from dejavu_compile.evaluation.bench import Variant, cpu_info, measure_decode
+    from dejavu_compile.evaluation.bench import Variant, cpu_info, measure_decode, write_result
     from dejavu_compile.kernels.cpu import native
 
     cpu = cpu_info()
@@ -233,9 +232,7 @@ def main(argv=None) -> int:
         for name in llamas:
             line += f"; {name} {q[name]:.3f} ({q[f'{name} vs fp32']:+.2%} vs fp32)"
         print(line)
-    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
     return 0
 
 

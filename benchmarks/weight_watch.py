@@ -14,7 +14,6 @@ graph's own arguments, since its cost is far below the step-to-step spread of a 
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import statistics
 import time
@@ -60,7 +59,7 @@ def main(argv=None) -> int:
     from dejavu_compile.cli import machine
     from dejavu_compile.compiler import weight_watch
     from dejavu_compile.compiler.prepare import prepare_model
-    from dejavu_compile.evaluation.bench import Variant, measure_decode
+    from dejavu_compile.evaluation.bench import Variant, measure_decode, write_result
 
     model, tok = load_smollm2()
     prepare_model(model)
@@ -110,8 +109,7 @@ def main(argv=None) -> int:
         "check_us_per_step_median": check_median,
         "check_share_of_step": check_median / (step_ms * 1e3),
     }
-    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+    write_result(args.out, result)
     m = result["machine"]
     print(f"machine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}")
     print(f"decode: check on {on:.1f} tokens/s, check off {off:.1f} tokens/s (on/off {on / off:.3f}); "
