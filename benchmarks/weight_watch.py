@@ -1,15 +1,19 @@
-"""What the weight-change check costs a SmolLM2-135M decode step on the CPU.
+"""What the backend's checks of the weights cost a SmolLM2-135M decode step on the CPU.
 
-    python benchmarks/weight_watch.py            # writes benchmarks/results/weight-watch.json
-    python benchmarks/weight_watch.py --threads 2 --new-tokens 48 --repeats 7
+    python benchmarks/weight_watch.py --repeats 15     # writes benchmarks/results/weight-watch.json
+    python benchmarks/weight_watch.py --repeats 15 --check-off-first \\
+        --out benchmarks/results/weight-watch-off-first.json
 
 A graph the backend rewrote holds tensors derived from the weights (here the training-free plan's
 int8 gate/up copies, ``mlp_density=0.6``), and on every call compares each parameter input's
-version counter and storage with the ones it was derived from (``compiler/weight_watch.py``). One
-compiled forward is measured with the check on and off (``weight_watch.ENABLED``), as two variants of
+version counter and storage with the ones it was derived from (``WeightWatch``); every graph also
+compares the dtype, shape and device of a sample of the model's tensors with the ones it was
+compiled for (``StoredTensorCheck``; both in ``compiler/weight_watch.py``). One compiled forward is
+measured with the checks on and off (``weight_watch.ENABLED``), as two variants of
 ``evaluation.bench.measure_decode``: fp32, batch 1, greedy, ``generate()`` with a static cache, the
-variants interleaved in each round, medians. The check alone is also timed directly, on the decode
-graph's own arguments, since its cost is far below the step-to-step spread of a whole step.
+variants interleaved in each round (``--check-off-first`` swaps their order), medians. Each check
+alone is also timed directly, on the decode graph's own arguments, in a loop that keeps them in
+cache.
 """
 from __future__ import annotations
 
@@ -23,26 +27,35 @@ import torch
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
-def _watched_calls(compiled, model, ids):
-    """[(watch, args)] of every graph with a weight watch that one decode step calls."""
-    from dejavu_compile.compiler import weight_watch
-
+def _checked_calls(compiled, model, ids, check_class):
+    """[(check, args)] of every graph that one decode step calls whose ``check_class`` check runs."""
     seen = {}
-    original = weight_watch.WeightWatch.check
+    original = check_class.check
 
     def record(self, args):
         seen[id(self)] = (self, list(args))
         return original(self, args)
 
-    weight_watch.WeightWatch.check = record
+    check_class.check = record
     try:
         model.forward = compiled
         with torch.no_grad():
             model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, cache_implementation="static",
                            pad_token_id=model.config.eos_token_id)
     finally:
-        weight_watch.WeightWatch.check = original
+        check_class.check = original
     return list(seen.values())
+
+
+def _time_checks(calls, repeats: int) -> float:
+    """Median microseconds of one decode step's worth of ``calls``, weights unchanged."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for check, call_args in calls:
+            check.check(call_args)
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -51,6 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--check-calls", type=int, default=2000)
+    ap.add_argument("--check-off-first", action="store_true", help="time the check-off variant first in each round")
     ap.add_argument("--out", default=str(RESULTS / "weight-watch.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -74,10 +88,14 @@ def main(argv=None) -> int:
         return lambda _forward: forward
 
     # both call the same compiled forward, which the first compiles
-    variants = [Variant("check on", with_check(True)), Variant("check off", with_check(False), compiled=False)]
+    variants = [Variant("check on", with_check(True)), Variant("check off", with_check(False))]
+    if args.check_off_first:
+        variants.reverse()
+    variants[1].compiled = False
     try:
         speed = measure_decode(model, ids, variants, new_tokens=args.new_tokens, repeats=args.repeats)
-        watched = _watched_calls(compiled, model, ids)
+        watched = _checked_calls(compiled, model, ids, weight_watch.WeightWatch)
+        sampled = _checked_calls(compiled, model, ids, weight_watch.StoredTensorCheck)
     finally:
         weight_watch.ENABLED = True
         model.forward = original
@@ -86,20 +104,16 @@ def main(argv=None) -> int:
     if not torch.equal(variants[0].outputs, variants[1].outputs):
         raise SystemExit("the two variants generated different tokens")
 
-    # the check alone, as a decode step runs it: every watched graph of the step, weights unchanged
-    check_us = []
-    for _ in range(args.check_calls):
-        start = time.perf_counter()
-        for watch, call_args in watched:
-            watch.check(call_args)
-        check_us.append((time.perf_counter() - start) * 1e6)
+    # each check alone, as a decode step runs it: every graph of the step, weights unchanged
+    check_median = _time_checks(watched, args.check_calls)
+    stored_median = _time_checks(sampled, args.check_calls)
     on, off = speed["check on"]["tokens_per_s"], speed["check off"]["tokens_per_s"]
     step_ms = 1e3 / off
-    check_median = statistics.median(check_us)
     result = {
         "machine": machine(),
         "model": "SmolLM2-135M-Instruct fp32, prepare_model, options={'mlp_density': 0.6}",
         "new_tokens": args.new_tokens, "repeats": args.repeats,
+        "order": [v.name for v in variants],
         "tokens_per_s": {"check on": on, "check off": off},
         "runs": {name: speed[name]["runs"] for name in speed},
         "step_ms_check_off": step_ms,
@@ -108,6 +122,9 @@ def main(argv=None) -> int:
         "watched_parameters_per_step": sum(len(w.positions) for w, _ in watched),
         "check_us_per_step_median": check_median,
         "check_share_of_step": check_median / (step_ms * 1e3),
+        "stored_tensor_check_graphs_per_step": len(sampled),
+        "stored_tensors_checked_per_step": sum(len(c.positions) for c, _ in sampled),
+        "stored_tensor_check_us_per_step_median": stored_median,
     }
     write_result(args.out, result)
     m = result["machine"]
@@ -116,7 +133,8 @@ def main(argv=None) -> int:
           f"step {step_ms:.2f} ms")
     print(f"the check alone: {check_median:.1f} us per step over {result['watched_parameters_per_step']} "
           f"parameters in {len(watched)} graph(s), {100 * result['check_share_of_step']:.2f}% of a step")
-    print(f"wrote {args.out}")
+    print(f"the tensors' dtype and shape check alone: {stored_median:.1f} us per step over "
+          f"{result['stored_tensors_checked_per_step']} tensors in {len(sampled)} graph(s)")
     return 0
 
 

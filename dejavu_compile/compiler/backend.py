@@ -130,20 +130,28 @@ def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return copy
 
 
-def _compile_inner(gm: fx.GraphModule, example_inputs, options: dict, mode: str | None, watch=None):
-    """``watch``: a WeightWatch over the parameters the added tensors were derived from."""
-    extra = gm.meta.get("dejavu_extra_inputs")
-    if extra:  # tensors a pass added (predictor weights) follow the inputs Dynamo passes
-        compiled = _compile_inner_plain(gm, [*example_inputs, *_static_examples(extra)], options, mode)
+def _compile_inner(gm: fx.GraphModule, example_inputs, options: dict, mode: str | None, watch=None,
+                   stored=None):
+    """``watch``: a WeightWatch over the parameters the added tensors were derived from; ``stored``: a
+    StoredTensorCheck of the model tensors' dtypes and shapes."""
+    # tensors a pass added (predictor weights) follow the inputs Dynamo passes
+    extra = tuple(gm.meta.get("dejavu_extra_inputs") or ())
+    examples = [*example_inputs, *_static_examples(extra)] if extra else example_inputs
+    compiled = _compile_inner_plain(gm, examples, options, mode)
+    if stored is not None and not stored.positions:
+        stored = None
+    if watch is None and stored is None and not extra:
+        return compiled
 
-        def run_with_extra_inputs(*args):
-            if watch is not None:
-                watch.check(args)
-            return compiled(*args, *extra)
+    def run_checked(*args):
+        if stored is not None:
+            stored.check(args)
+        if watch is not None:
+            watch.check(args)
+        return compiled(*args, *extra)
 
-        run_with_extra_inputs.weight_watch = watch
-        return run_with_extra_inputs
-    return _compile_inner_plain(gm, example_inputs, options, mode)
+    run_checked.weight_watch = watch
+    return run_checked
 
 
 def _static_examples(tensors) -> list:
@@ -215,7 +223,9 @@ class DejavuBackend:
         watch = None
         if gm is not original and gm.meta.get("dejavu_extra_inputs"):
             watch = self._weight_watch(original, example_inputs, given, gm.meta["dejavu_extra_inputs"])
-        return _compile_inner(gm, example_inputs, opts, mode, watch)
+        from dejavu_compile.compiler.weight_watch import StoredTensorCheck
+
+        return _compile_inner(gm, example_inputs, opts, mode, watch, StoredTensorCheck(original, example_inputs))
 
     def _weight_watch(self, original: fx.GraphModule, example_inputs, given: dict, derived: list):
         """A WeightWatch that derives this graph's added tensors again by rerunning the passes on
