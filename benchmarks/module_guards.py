@@ -4,14 +4,20 @@ dicts and hooks, attribute values).
 
     python benchmarks/module_guards.py --weights int8 --repeats 15 --out benchmarks/results/module-guards-int8-avx2.json
     python benchmarks/module_guards.py --out benchmarks/results/module-guards-avx2.json   # fp32 weights
+    python benchmarks/module_guards.py --weights int8 --repeats 15 \\
+        --out benchmarks/results/module-guards-int8-avx512.json   # on an AVX-512 CPU
 
-One model, three compiled forwards (dejavu exact: no plan, every projection through the backend's
+One model, four compiled forwards (dejavu exact: no plan, every projection through the backend's
 GEMV), each with its own Dynamo cache (``isolate_recompiles=True``) and guard filter
 (``torch.compile(..., options={"guard_filter_fn": ...})``):
 
 - guards kept: Dynamo's default;
 - weight tensor guards skipped: the TENSOR_MATCH guards of tensors read from a module's
   ``_parameters`` or ``_buffers`` are dropped, every other guard is kept;
+- module structure guards skipped: the guards on modules that check structure (types, hook dicts,
+  attribute presence) are dropped, those that compare values (the weights' tensor checks,
+  ``training`` flags, config constants) kept: the filter that would keep a model changed after
+  compiling (cast, moved, put in training mode) recompiling, if it were cheap;
 - module guards skipped: ``torch.compiler.skip_guard_on_all_nn_modules_unsafe``, every guard whose
   source is a module attribute is dropped. Unsafe in torch's sense: a module attribute changed after
   compiling (``model.train()``, ``.to()`` another dtype, a config flag, a hook, a new submodule) no
@@ -21,7 +27,7 @@ GEMV), each with its own Dynamo cache (``isolate_recompiles=True``) and guard fi
   are used (and the backend's WeightWatch still sees them).
 
 Timed through ``evaluation.bench.measure_decode`` (interleaved rounds, decode tokens/s with the
-prefill subtracted, the timed rounds under ``error_on_recompile``, medians); the three must give the
+prefill subtracted, the timed rounds under ``error_on_recompile``, medians); the four must give the
 same tokens.
 """
 from __future__ import annotations
@@ -35,7 +41,7 @@ WEIGHT_SOURCE = re.compile(r"\._(parameters|buffers)\['[^']*'\]$")
 
 
 class CountingFilter:
-    """A guard filter that keeps what ``keep(entry)`` says and records how many guards each compiled
+    """A guard filter that keeps what ``keep(entries)`` says and records how many guards each compiled
     frame had and dropped."""
 
     def __init__(self, keep):
@@ -43,18 +49,26 @@ class CountingFilter:
         self.frames: list[dict] = []
 
     def __call__(self, entries):
-        kept = [bool(self.keep(entry)) for entry in entries]
+        kept = [bool(k) for k in self.keep(entries)]
         self.frames.append({"guards": len(kept), "dropped": len(kept) - sum(kept)})
         return kept
 
 
-def keep_unless_weight_tensor(entry) -> bool:
-    return not (entry.guard_type == "TENSOR_MATCH" and WEIGHT_SOURCE.search(entry.name)
-                and entry.orig_guard.source.is_unspecialized_nn_module())
+def keep_unless_weight_tensor(entries) -> list[bool]:
+    return [not (entry.guard_type == "TENSOR_MATCH" and WEIGHT_SOURCE.search(entry.name)
+                 and entry.orig_guard.source.is_unspecialized_nn_module()) for entry in entries]
 
 
-def keep_unless_module(entry) -> bool:
-    return torch.compiler.skip_guard_on_all_nn_modules_unsafe([entry])[0]
+# guards on a module attribute that compare a value: tensors' dtype, shape and device, flags and numbers
+VALUE_GUARDS = frozenset({"TENSOR_MATCH", "CONSTANT_MATCH", "EQUALS_MATCH"})
+
+
+def keep_unless_module_structure(entries) -> list[bool]:
+    return [not entry.orig_guard.source.is_unspecialized_nn_module() or entry.guard_type in VALUE_GUARDS
+            for entry in entries]
+
+
+keep_unless_module = torch.compiler.skip_guard_on_all_nn_modules_unsafe
 
 
 def main(argv=None) -> int:
@@ -72,7 +86,7 @@ def main(argv=None) -> int:
 
     if "isolate_recompiles" not in inspect.signature(torch.compile).parameters:
         raise SystemExit(f"torch {torch.__version__}: torch.compile has no isolate_recompiles, which keeps the "
-                         "three compiled forwards' graphs apart")
+                         "four compiled forwards' graphs apart")
     from dejavu_compile.cli import DEMO_PROMPT
     from dejavu_compile.evaluation.bench import (
         Variant,
@@ -87,6 +101,7 @@ def main(argv=None) -> int:
     machine = cpu_machine_description()
     print(f"machine: {machine}")
     filters = {"guards kept": None, "weight tensor guards skipped": CountingFilter(keep_unless_weight_tensor),
+               "module structure guards skipped": CountingFilter(keep_unless_module_structure),
                "module guards skipped": CountingFilter(keep_unless_module)}
     variants = [Variant(name, compiled_forward("dejavu", isolate_recompiles=True,
                                                options={} if filt is None else {"guard_filter_fn": filt}))
