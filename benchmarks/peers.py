@@ -15,9 +15,12 @@ Variants (the model in --dtype, fp32 by default; batch 1, greedy, static cache, 
   greedy loop without ``generate()``'s per-token Python), and through it with ``skip_guards=True``
   (Dynamo's guards skipped after the second decode step);
 - llama.cpp through llama-cpp-python, when it is installed (``pip install -e .[peers]``; it builds
-  llama.cpp from source), on the same weights: the bundled Q4_1 GGUF requantized to the format of
-  --dtype (F32, BF16 or F16: the values the torch variants run) and to Q8_0 (the reference of
-  --weights int8).
+  llama.cpp from source for the CPU it builds on; where that build dies with an illegal instruction,
+  as on an Intel Xeon with AMX in a virtual machine, build it with AMX off:
+  ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON
+  -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"`` instead), on the same
+  weights: the bundled Q4_1 GGUF requantized to the format of --dtype (F32, BF16 or F16: the values
+  the torch variants run) and to Q8_0 (the reference of --weights int8).
 
 Speed: decode tokens/s, ``(n - 1) / (t(n tokens) - t(1 token))``, every variant once per round,
 rounds interleaved, medians, through ``evaluation.bench.measure_decode`` (a compiled variant that
