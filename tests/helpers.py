@@ -108,6 +108,13 @@ def decode_logits(forward, model, ids: torch.Tensor, tokens: list[torch.Tensor])
     return torch.stack(rows)
 
 
+def greedy_step_tokens(model, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Eager's greedy tokens after ``ids``, one (batch, 1) tensor per decode step."""
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+    return [out[:, ids.shape[1] + i:ids.shape[1] + i + 1] for i in range(steps)]
+
+
 def greedy_through_backend(model, ids: torch.Tensor, new_tokens: int = 6, options: dict | None = None):
     """(eager greedy tokens, the backend's greedy tokens, the backend's reports) over a static cache."""
     from dejavu_compile.testing import greedy_generate

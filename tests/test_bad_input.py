@@ -13,14 +13,7 @@ from dejavu_compile.errors import DejavuOptionError, PlanMismatchError
 from dejavu_compile.plan.sparsity_plan import SparsityPlan
 from dejavu_compile.testing import assert_matches_eager
 from dejavu_compile.testing.tiny import tiny_model
-from tests.helpers import ByteTokenizer, decode_logits, fine_tuned, int8_plan, token_ids
-
-
-def _greedy_tokens(model, ids, steps):
-    """Eager's greedy tokens after ``ids``, one (batch, 1) tensor per decode step."""
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
-    return [out[:, ids.shape[1] + i:ids.shape[1] + i + 1] for i in range(steps)]
+from tests.helpers import ByteTokenizer, decode_logits, fine_tuned, greedy_step_tokens, int8_plan, token_ids
 
 
 def _fresh_compile_logits(model, options, ids, tokens):
@@ -58,7 +51,7 @@ def test_weights_changed_after_compiling_mlp_density_derives_its_copies_again(ch
     model, other = tiny_model("llama", layers=2), tiny_model("llama", layers=2, seed=1)
     ids = token_ids(tokens=5)
     options = {"mlp_density": 0.6, "inner": "eager", "strict": True}
-    tokens = _greedy_tokens(model, ids, 3)
+    tokens = greedy_step_tokens(model, ids, 3)
     guard_filter = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} if skip_module_guards else {}
     forward = torch.compile(model.forward, backend="dejavu", options={**options, **guard_filter})
     try:
@@ -77,7 +70,7 @@ def test_weights_changed_after_compiling_a_calibrated_plan_is_refused():
     model = tiny_model("llama", layers=2)
     plan = int8_plan(model, 0.5)
     ids = token_ids(tokens=5)
-    tokens = _greedy_tokens(model, ids, 2)
+    tokens = greedy_step_tokens(model, ids, 2)
     forward = torch.compile(model.forward, backend="dejavu", options={"plan": plan, "inner": "eager", "strict": True})
     try:
         decode_logits(forward, model, ids, tokens)
@@ -94,7 +87,7 @@ def test_weights_changed_without_a_plan_stay_exact():
     forward = torch.compile(model.forward, backend="dejavu", options={"inner": "eager"})
     try:
         model.load_state_dict(other.state_dict())
-        tokens = _greedy_tokens(model, ids, 3)
+        tokens = greedy_step_tokens(model, ids, 3)
         torch.testing.assert_close(decode_logits(forward, model, ids, tokens), decode_logits(model, model, ids, tokens),
                                    rtol=1e-5, atol=1e-5)
     finally:

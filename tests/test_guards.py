@@ -8,15 +8,9 @@ import torch
 
 from dejavu_compile.compiler.weight_watch import StoredTensorCheck, stored_tensor_positions
 from dejavu_compile.testing.tiny import tiny_model
-from tests.helpers import decode_logits, token_ids
+from tests.helpers import decode_logits, greedy_step_tokens, token_ids
 
 SKIP_MODULE_GUARDS = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-
-
-def _greedy_tokens(model, ids, steps):
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
-    return [out[:, ids.shape[1] + i:ids.shape[1] + i + 1] for i in range(steps)]
 
 
 @pytest.fixture
@@ -31,30 +25,30 @@ def test_a_cast_after_compiling_without_module_guards_is_refused(model, density)
     options = {"inner": "eager", **({} if density is None else {"mlp_density": density})}
     forward = torch.compile(model.forward, backend="dejavu", options={**options, **SKIP_MODULE_GUARDS})
     ids = token_ids(tokens=5)
-    decode_logits(forward, model, ids, _greedy_tokens(model, ids, 1))
+    decode_logits(forward, model, ids, greedy_step_tokens(model, ids, 1))
     model.to(torch.bfloat16)  # no guard notices: the fp32 graph is called with bf16 weights
     with pytest.raises(RuntimeError, match=r"compiled for a model tensor of dtype torch.float32.*"
                                            r"called with one of dtype torch.bfloat16"):
-        decode_logits(forward, model, ids, _greedy_tokens(model, ids, 1))
+        decode_logits(forward, model, ids, greedy_step_tokens(model, ids, 1))
 
 
 def test_another_model_of_the_same_class_without_module_guards_is_refused(model):
     wider = tiny_model("llama", layers=2, hidden=96, intermediate=192, seed=1)
     ids = token_ids(tokens=5)
     forward = torch.compile(model.forward, backend="dejavu", options={"inner": "eager", **SKIP_MODULE_GUARDS})
-    decode_logits(forward, model, ids, _greedy_tokens(model, ids, 1))
+    decode_logits(forward, model, ids, greedy_step_tokens(model, ids, 1))
     # one code object, one set of graphs: without the module guards the wider model finds the first one's
     other = torch.compile(wider.forward, backend="dejavu", options={"inner": "eager", **SKIP_MODULE_GUARDS})
     with pytest.raises(RuntimeError, match=r"shape \[128, 64\].*shape \[128, 96\]"):
-        decode_logits(other, wider, ids, _greedy_tokens(wider, ids, 1))
+        decode_logits(other, wider, ids, greedy_step_tokens(wider, ids, 1))
 
 
 def test_with_the_guards_kept_a_cast_recompiles(model):
     forward = torch.compile(model.forward, backend="dejavu", options={"inner": "eager"})
     ids = token_ids(tokens=5)
-    decode_logits(forward, model, ids, _greedy_tokens(model, ids, 1))
+    decode_logits(forward, model, ids, greedy_step_tokens(model, ids, 1))
     model.to(torch.bfloat16)
-    tokens = _greedy_tokens(model, ids, 2)
+    tokens = greedy_step_tokens(model, ids, 2)
     got = decode_logits(forward, model, ids, tokens)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, decode_logits(model, model, ids, tokens), rtol=2e-2, atol=2e-2)
