@@ -27,24 +27,28 @@ import torch
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
-def _checked_calls(compiled, model, ids, check_class):
-    """[(check, args)] of every graph that one decode step calls whose ``check_class`` check runs."""
-    seen = {}
-    original = check_class.check
+def _checked_calls(compiled, model, ids, *check_classes) -> list[list]:
+    """For each of ``check_classes``, [(check, args)] of every graph of one decode step that runs it."""
+    seen = [{} for _ in check_classes]
+    originals = [cls.check for cls in check_classes]
 
-    def record(self, args):
-        seen[id(self)] = (self, list(args))
-        return original(self, args)
+    def recorder(calls, original):
+        def record(self, args):
+            calls[id(self)] = (self, list(args))
+            return original(self, args)
+        return record
 
-    check_class.check = record
+    for cls, calls, original in zip(check_classes, seen, originals):
+        cls.check = recorder(calls, original)
     try:
         model.forward = compiled
         with torch.no_grad():
             model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, cache_implementation="static",
                            pad_token_id=model.config.eos_token_id)
     finally:
-        check_class.check = original
-    return list(seen.values())
+        for cls, original in zip(check_classes, originals):
+            cls.check = original
+    return [list(calls.values()) for calls in seen]
 
 
 def _time_checks(calls, repeats: int) -> float:
@@ -94,8 +98,8 @@ def main(argv=None) -> int:
     variants[1].compiled = False
     try:
         speed = measure_decode(model, ids, variants, new_tokens=args.new_tokens, repeats=args.repeats)
-        watched = _checked_calls(compiled, model, ids, weight_watch.WeightWatch)
-        sampled = _checked_calls(compiled, model, ids, weight_watch.StoredTensorCheck)
+        watched, sampled = _checked_calls(compiled, model, ids, weight_watch.WeightWatch,
+                                          weight_watch.StoredTensorCheck)
     finally:
         weight_watch.ENABLED = True
         model.forward = original
